@@ -1,0 +1,243 @@
+"""Empirical epsilon lower bounds from a threshold attack on in- and out-observations.
+
+An observation is a score; larger means "the canary was present". At a threshold t the
+attack says "in" when score >= t, which gives counts TP, FN (in-observations) and FP, TN
+(out-observations). Every method turns the counts into a lower bound on epsilon:
+
+    epsdelta-cp     Clopper-Pearson upper bounds a, b on FPR and FNR, then Eq. 9:
+                    eps = max(log((1 - delta - a) / b), log((1 - delta - b) / a), 0)
+    epsdelta-bayes  Jeffreys-posterior credible bound on the same region (Eq. 10, 11, 14)
+    gdp-cp          mu = Phi^-1(1 - a) - Phi^-1(b) (Eq. 12), then eps at delta by Eq. 6
+    gdp-bayes       Jeffreys-posterior credible bound on mu (Eq. 13), then Eq. 6
+    katz            Katz log interval on TPR/FPR and TNR/FNR (Lu et al.): pure eps-DP
+
+Confidence is split evenly over the two one-sided statements each method makes (the
+bounds on FPR and FNR, or the two likelihood ratios; the two posterior tails), so a
+method reports the lower end of a two-sided interval at `confidence`.
+
+A bound is valid only if the threshold was fixed before looking at the observations it is
+evaluated on. threshold="best" sweeps thresholds on the same data (common, optimistic)
+and marks the result valid=False.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+from scipy.stats import beta, norm
+
+from ._checks import check_confidence, check_count, check_delta, check_scores
+from .gdp import mu_to_epsilon
+from .posterior import epsdelta_credible_lower, gdp_credible_lower
+
+METHODS = ("epsdelta-cp", "epsdelta-bayes", "gdp-cp", "gdp-bayes", "katz")
+DEFAULT_THRESHOLD = 0.5
+BEST_CANDIDATES = {"epsdelta-cp": 2000, "gdp-cp": 2000, "katz": 2000, "epsdelta-bayes": 40, "gdp-bayes": 40}
+
+
+@dataclass(frozen=True)
+class EpsilonEstimate:
+    """An empirical lower bound on epsilon (and, for GDP methods, on mu).
+
+    epsilon     lower bound on epsilon at `delta` (pure epsilon-DP for "katz").
+    mu          lower bound on the GDP parameter mu; None for non-GDP methods.
+    threshold   decision threshold: the attack says "in" when score >= threshold.
+    fpr, fnr    empirical error rates at the threshold (nan when a side is empty).
+    n_in, n_out number of in- and out-observations.
+    method, confidence, delta: how the bound was computed.
+    valid       False when the threshold was chosen on the same observations
+                (threshold="best"); such a bound is optimistic, not a guarantee.
+    Holds with probability >= confidence (CP, Katz asymptotically) or posterior
+    probability >= confidence (Bayes) when valid is True.
+    """
+
+    epsilon: float
+    mu: Optional[float]
+    threshold: float
+    fpr: float
+    fnr: float
+    n_in: int
+    n_out: int
+    method: str
+    confidence: float
+    delta: float
+    valid: bool
+
+
+def _check_method(method: str, delta: float) -> None:
+    if method not in METHODS:
+        raise ValueError(f"Unexpected value for `method`: {method!r}; valid methods are {', '.join(METHODS)}")
+    if method.startswith("gdp") and delta == 0.0:
+        raise ValueError("`delta` must be > 0 for GDP methods: a Gaussian mechanism has epsilon = inf at delta = 0")
+    if method == "katz" and delta != 0.0:
+        raise ValueError(f"method 'katz' bounds pure epsilon-DP; pass delta=0 (got delta={delta})")
+
+
+def clopper_pearson_upper(k, n, level: float):
+    """One-sided Clopper-Pearson upper bound on a proportion k/n at `level` (1 when n=0)."""
+    k, n = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        upper = beta.ppf(level, k + 1.0, np.maximum(n - k, 1e-300))
+    return np.where(k >= n, 1.0, upper)
+
+
+def _epsdelta(a, b, delta: float):
+    """Eq. 9 on upper bounds a (FPR) and b (FNR), elementwise."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        one = np.log(np.maximum(1.0 - delta - a, 0.0) / b)
+        two = np.log(np.maximum(1.0 - delta - b, 0.0) / a)
+    return np.maximum(np.maximum(np.nan_to_num(one, nan=0.0, neginf=0.0), np.nan_to_num(two, nan=0.0, neginf=0.0)), 0.0)
+
+
+def _gdp_mu(a, b):
+    """Eq. 12 on upper bounds a (FPR) and b (FNR), elementwise, floored at 0."""
+    return np.maximum(norm.isf(a) - norm.ppf(b), 0.0)
+
+
+def _katz_log_lower(hits_a, n_a, hits_b, n_b, z: float):
+    """Lower end of the Katz log interval for (hits_a/n_a) / (hits_b/n_b), elementwise.
+
+    Haldane's correction (+1/2 to each cell of the 2x2 table) where a count is zero.
+    """
+    hits_a, n_a, hits_b, n_b = (np.asarray(v, dtype=float) for v in (hits_a, n_a, hits_b, n_b))
+    zero = (hits_a == 0) | (hits_b == 0) | (hits_a == n_a) | (hits_b == n_b)
+    pad = np.where(zero, 0.5, 0.0)
+    hits_a, hits_b = hits_a + pad, hits_b + pad
+    n_a, n_b = n_a + 2 * pad, n_b + 2 * pad
+    log_ratio = np.log(hits_a / n_a) - np.log(hits_b / n_b)
+    spread = np.sqrt(1.0 / hits_a - 1.0 / n_a + 1.0 / hits_b - 1.0 / n_b)
+    return log_ratio - z * spread
+
+
+def _bound_from_counts(tp, fn, fp, tn, *, method: str, delta: float, confidence: float):
+    """(epsilon, mu) arrays for count arrays; mu is nan for non-GDP methods."""
+    tp, fn, fp, tn = (np.asarray(v, dtype=float) for v in (tp, fn, fp, tn))
+    n_in, n_out = tp + fn, fp + tn
+    tail = (1.0 - confidence) / 2.0
+    mu = np.full(tp.shape, np.nan)
+    if method in ("epsdelta-cp", "gdp-cp"):
+        a = clopper_pearson_upper(fp, n_out, 1.0 - tail)
+        b = clopper_pearson_upper(fn, n_in, 1.0 - tail)
+        if method == "epsdelta-cp":
+            eps = _epsdelta(a, b, delta)
+        else:
+            mu = _gdp_mu(a, b)
+            eps = None
+    elif method == "katz":
+        z = norm.isf(tail)
+        tpr_over_fpr = _katz_log_lower(tp, n_in, fp, n_out, z)
+        tnr_over_fnr = _katz_log_lower(tn, n_out, fn, n_in, z)
+        eps = np.maximum(np.maximum(tpr_over_fpr, tnr_over_fnr), 0.0)
+    else:
+        counts = np.broadcast_arrays(tp, fn, fp, tn)
+        flat = [c.ravel().astype(int) for c in counts]
+        eps, mus = [], []
+        for t_p, f_n, f_p, t_n in zip(*flat):
+            if method == "epsdelta-bayes":
+                eps.append(epsdelta_credible_lower(t_p, f_n, f_p, t_n, delta=delta, tail=tail))
+            else:
+                mus.append(gdp_credible_lower(t_p, f_n, f_p, t_n, tail=tail))
+        if mus:
+            mu, eps = np.array(mus, dtype=float).reshape(tp.shape), None
+        else:
+            eps = np.array(eps, dtype=float).reshape(tp.shape)
+    empty = (n_in == 0) | (n_out == 0)
+    mu = np.where(empty & ~np.isnan(mu), 0.0, mu)
+    return (None if eps is None else np.where(empty, 0.0, eps)), mu
+
+
+def _pick(eps, mu, delta: float):
+    """Index of the largest bound and its epsilon; GDP epsilon grows with mu (Eq. 6)."""
+    if eps is None:
+        i = int(np.argmax(mu))
+        return i, mu_to_epsilon(float(mu.flat[i]), delta)
+    i = int(np.argmax(eps))
+    return i, float(eps.flat[i])
+
+
+def epsilon_from_counts(
+    tp: int, fn: int, fp: int, tn: int, *, delta: float, method: str = "gdp-cp", confidence: float = 0.95
+) -> EpsilonEstimate:
+    """Lower bound on epsilon from the counts of a threshold attack decided in advance."""
+    tp, fn, fp, tn = (check_count(v, name) for v, name in zip((tp, fn, fp, tn), ("tp", "fn", "fp", "tn")))
+    confidence = check_confidence(confidence)
+    delta = check_delta(delta)
+    _check_method(method, delta)
+    eps, mu = _bound_from_counts(tp, fn, fp, tn, method=method, delta=delta, confidence=confidence)
+    _, epsilon = _pick(eps, mu, delta)
+    return _estimate(epsilon, mu, math.nan, tp, fn, fp, tn, method, confidence, delta, True)
+
+
+def _estimate(eps, mu, threshold, tp, fn, fp, tn, method, confidence, delta, valid) -> EpsilonEstimate:
+    n_in, n_out = int(tp + fn), int(fp + tn)
+    mu = float(mu)
+    return EpsilonEstimate(
+        epsilon=float(eps),
+        mu=None if math.isnan(mu) else mu,
+        threshold=float(threshold),
+        fpr=fp / n_out if n_out else math.nan,
+        fnr=fn / n_in if n_in else math.nan,
+        n_in=n_in,
+        n_out=n_out,
+        method=method,
+        confidence=confidence,
+        delta=delta,
+        valid=valid,
+    )
+
+
+def _counts_at(sorted_in: np.ndarray, sorted_out: np.ndarray, thresholds):
+    """(tp, fn, fp, tn) for the rule "in when score >= t", for each t, by binary search."""
+    fn = np.searchsorted(sorted_in, thresholds, side="left")
+    tn = np.searchsorted(sorted_out, thresholds, side="left")
+    return len(sorted_in) - fn, fn, len(sorted_out) - tn, tn
+
+
+def _best_candidates(sorted_in, sorted_out, limit: int) -> np.ndarray:
+    pooled = np.unique(np.concatenate([sorted_in, sorted_out]))
+    if len(pooled) > limit:
+        pooled = np.unique(np.quantile(pooled, np.linspace(0.0, 1.0, limit)))
+    return np.append(pooled, np.inf)
+
+
+def epsilon_lower_bound(
+    in_scores,
+    out_scores,
+    *,
+    delta: float,
+    method: str = "gdp-cp",
+    confidence: float = 0.95,
+    threshold: Union[float, str, None] = None,
+) -> EpsilonEstimate:
+    """Empirical lower bound on epsilon from scores with (in) and without (out) the canary.
+
+    threshold: a number is used as given; None uses 0.5, the midpoint for normalized
+    observations (out ~ N(0, s^2), in ~ N(1, s^2), as the auditor records them), which
+    keeps the bound valid because it does not depend on the data; "best" takes the
+    threshold with the largest bound on these same observations (valid=False). The
+    sweep tries every distinct score, or that many quantiles of them when there are
+    more than BEST_CANDIDATES[method].
+    """
+    in_sorted = np.sort(check_scores(in_scores, "in_scores"))
+    out_sorted = np.sort(check_scores(out_scores, "out_scores"))
+    confidence = check_confidence(confidence)
+    delta = check_delta(delta)
+    _check_method(method, delta)
+    if isinstance(threshold, str):
+        if threshold != "best":
+            raise ValueError(f"Unexpected value for `threshold`: {threshold!r}; pass a number, None or 'best'")
+        candidates = _best_candidates(in_sorted, out_sorted, BEST_CANDIDATES[method])
+        valid = False
+    else:
+        value = DEFAULT_THRESHOLD if threshold is None else float(threshold)
+        if math.isnan(value):
+            raise ValueError("Unexpected value for `threshold`: nan")
+        candidates = np.array([value])
+        valid = True
+    tp, fn, fp, tn = _counts_at(in_sorted, out_sorted, candidates)
+    eps, mu = _bound_from_counts(tp, fn, fp, tn, method=method, delta=delta, confidence=confidence)
+    i, epsilon = _pick(eps, mu, delta)
+    return _estimate(epsilon, mu[i], candidates[i], tp[i], fn[i], fp[i], tn[i], method, confidence, delta, valid)

@@ -1,0 +1,57 @@
+"""From a per-step mu lower bound to an end-to-end epsilon (Tight Auditing, section 5.5).
+
+If each noised step is at least mu_step-GDP in the worst case, its Gaussian noise
+multiplier is at most sigma_emp = 1 / mu_step. Composing that mechanism with the run's
+own sample rate and step count, through the same kind of accountant as the run (Opacus's
+RDP, PRV or GDP accountant), gives the end-to-end epsilon the observed leakage implies.
+Opacus is imported only when this is called, so the estimators stay free of torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+from ._checks import check_delta, check_nonnegative
+
+ACCOUNTANTS = ("rdp", "prv", "gdp")
+
+
+def end_to_end_epsilon(
+    mu_step: float,
+    *,
+    delta: float,
+    sample_rate: Optional[float] = None,
+    steps: Optional[int] = None,
+    history: Optional[Sequence[Tuple[float, float, int]]] = None,
+    accountant: str = "rdp",
+) -> float:
+    """Epsilon at `delta` of `steps` steps with noise multiplier 1/mu_step at `sample_rate`.
+
+    Instead of sample_rate and steps, pass an Opacus accountant's `history`
+    [(noise_multiplier, sample_rate, steps), ...]: every entry keeps its sample rate and
+    step count and takes the empirical noise multiplier 1/mu_step.
+    """
+    mu_step = check_nonnegative(mu_step, "mu_step")
+    delta = check_delta(delta, allow_zero=False, why="the composed Gaussian has epsilon = inf at delta = 0")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"Unexpected value for `accountant`: {accountant!r}; valid accountants are {', '.join(ACCOUNTANTS)}")
+    if history is None:
+        if sample_rate is None or steps is None:
+            raise ValueError("pass `sample_rate` and `steps`, or an accountant's `history`")
+        history = [(None, float(sample_rate), int(steps))]
+    elif sample_rate is not None or steps is not None:
+        raise ValueError("pass either `history` or `sample_rate` and `steps`, not both")
+    entries = [(float(q), int(n)) for _, q, n in history]
+    for q, n in entries:
+        if not 0.0 < q <= 1.0 or n < 0:
+            raise ValueError(f"Unexpected history entry: sample_rate={q}, steps={n}")
+    if mu_step == 0.0 or sum(n for _, n in entries) == 0:
+        return 0.0
+    if math.isinf(mu_step):
+        return math.inf
+    from opacus.accountants import create_accountant
+
+    composed = create_accountant(accountant)
+    composed.history = [(1.0 / mu_step, q, n) for q, n in entries if n > 0]
+    return float(composed.get_epsilon(delta=delta))
