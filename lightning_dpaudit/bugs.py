@@ -1,0 +1,206 @@
+"""The bug zoo: deliberately broken Opacus DP optimizers, to show that an audit catches them.
+
+``inject_bug(optimizer, name)`` swaps the class of the optimizer returned by
+``PrivacyEngine.make_private`` for a subclass whose mixin overrides one template
+step (``clip_and_accumulate`` or ``add_noise``). The claimed ``noise_multiplier``
+and ``max_grad_norm`` (used by the accountant), ``step_hook`` and all other
+attributes are kept. Noise bugs replace subclasses' own ``add_noise`` (DDP, AdaClip).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List
+
+import torch
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
+
+__all__ = ["BUGS", "inject_bug", "list_bugs"]
+
+
+class _Bug:
+    """Base mixin. ``options`` maps option names to defaults (set as attributes on injection);
+    ``_prepare`` then validates them and sets up state, before the class is swapped."""
+
+    options: Dict[str, object] = {}
+
+    def _prepare(self) -> None:
+        pass
+
+    def _accumulate(self, grads: List[torch.Tensor]) -> None:
+        """Add one tensor per parameter into ``p.summed_grad``; mark ``p.grad_sample`` used."""
+        for p, grad in zip(self.params, grads):
+            _check_processed_flag(p.grad_sample)
+            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+            _mark_as_processed(p.grad_sample)
+
+
+class _NoiseBug(_Bug):
+    """DPOptimizer.add_noise with hooks: per-parameter ``_stds``, ``_noise_generator``, ``_noise``."""
+
+    def _stds(self) -> List[float]:
+        return [self.noise_multiplier * self.max_grad_norm] * len(self.params)
+
+    def _noise_generator(self):
+        return self.generator
+
+    def _noise(self, index: int, reference: torch.Tensor, std: float, generator) -> torch.Tensor:
+        return _generate_noise(std, reference, generator, self.secure_mode)
+
+    def add_noise(self):
+        generator = self._noise_generator()
+        for i, (p, std) in enumerate(zip(self.params, self._stds())):
+            _check_processed_flag(p.summed_grad)
+            p.grad = (p.summed_grad + self._noise(i, p.summed_grad, std, generator)).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+
+class BatchClipping(_Bug):
+    """Clip the batch-mean gradient (all parameters jointly) to C, then multiply by n."""
+
+    def clip_and_accumulate(self):
+        samples = [self._get_flat_grad_sample(p).to(p.dtype) for p in self.params]
+        n = len(samples[0])
+        means = [g.sum(dim=0) / max(n, 1) for g in samples]
+        norm = torch.stack([m.norm(2) for m in means]).norm(2)
+        factor = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        self._accumulate([m * factor * n for m in means])
+
+
+class NoClipping(_Bug):
+    """Sum the per-sample gradients without clipping them."""
+
+    def clip_and_accumulate(self):
+        self._accumulate([self._get_flat_grad_sample(p).to(p.dtype).sum(dim=0) for p in self.params])
+
+
+class FewSeeds(_NoiseBug):
+    """Draw each step's noise from a generator re-seeded with one of ``num_seeds`` seeds."""
+
+    options = {"num_seeds": 100, "seed_chooser_seed": None}
+
+    def _prepare(self) -> None:
+        self._seed_chooser = random.Random(self.seed_chooser_seed)
+
+    def _noise_generator(self):
+        seed = self._seed_chooser.randrange(self.num_seeds)
+        return torch.Generator(device=self.params[0].device).manual_seed(seed)
+
+
+class WrongNoise(_NoiseBug):
+    """Apply ``applied_noise_multiplier`` (default: claimed * 2.5 / 3) while claiming the original."""
+
+    options = {"applied_noise_multiplier": None}
+
+    def _prepare(self) -> None:
+        if self.applied_noise_multiplier is None:
+            self.applied_noise_multiplier = self.noise_multiplier * 2.5 / 3.0
+
+    def _stds(self):
+        return [self.applied_noise_multiplier * self.max_grad_norm] * len(self.params)
+
+
+class MeanSensitivity(_NoiseBug):
+    """Noise std noise_multiplier * C / B (the sensitivity of the mean, not of the sum)."""
+
+    def _prepare(self) -> None:
+        if not self.expected_batch_size:
+            raise ValueError("mean-sensitivity needs the optimizer's expected_batch_size")
+
+    def _stds(self):
+        return [std / self.expected_batch_size for std in super()._stds()]
+
+
+class NoNoise(_NoiseBug):
+    """Add no noise at all."""
+
+    def _stds(self):
+        return [0.0] * len(self.params)
+
+
+class ReusedNoise(_NoiseBug):
+    """Draw the noise once and add the same vector at every step."""
+
+    def _prepare(self) -> None:
+        self._reused_noise: Dict[int, torch.Tensor] = {}
+
+    def _noise(self, index, reference, std, generator):
+        if index not in self._reused_noise:
+            self._reused_noise[index] = super()._noise(index, reference, std, generator)
+        return self._reused_noise[index]
+
+
+class UnnoisedLayer(_NoiseBug):
+    """Parameter tensor number ``layer_index`` (default: the last) gets no noise."""
+
+    options = {"layer_index": -1}
+
+    def _prepare(self) -> None:
+        if not -len(self.params) <= self.layer_index < len(self.params):
+            raise ValueError(f"layer_index {self.layer_index} out of range for {len(self.params)} parameters")
+
+    def _stds(self):
+        stds = super()._stds()
+        stds[self.layer_index] = 0.0
+        return stds
+
+
+class HalfNoiseLastLayer(_NoiseBug):
+    """The last parameter tensor gets half the noise std."""
+
+    def _stds(self):
+        stds = super()._stds()
+        stds[-1] /= 2.0
+        return stds
+
+
+_MIXINS = {
+    "batch-clipping": BatchClipping,
+    "few-seeds": FewSeeds,
+    "wrong-noise": WrongNoise,
+    "mean-sensitivity": MeanSensitivity,
+    "no-noise": NoNoise,
+    "no-clipping": NoClipping,
+    "reused-noise": ReusedNoise,
+    "unnoised-layer": UnnoisedLayer,
+    "half-noise-last-layer": HalfNoiseLastLayer,
+}
+
+BUGS: Dict[str, str] = {name: m.__doc__.strip().replace("``", "") for name, m in _MIXINS.items()}
+
+_CLASS_CACHE: Dict[tuple, type] = {}
+
+
+def list_bugs() -> List[str]:
+    """Names of the available bugs, in definition order."""
+    return list(BUGS)
+
+
+def inject_bug(optimizer: DPOptimizer, name: str, **options) -> DPOptimizer:
+    """Turn ``optimizer`` into the buggy variant ``name`` in place and return it.
+
+    ``options`` set bug parameters (e.g. ``num_seeds``, ``applied_noise_multiplier``,
+    ``layer_index``); the claimed ``noise_multiplier``/``max_grad_norm`` are left alone.
+    """
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(
+            f"inject_bug needs an Opacus DPOptimizer, got {type(optimizer).__name__}; "
+            "pass the optimizer returned by PrivacyEngine.make_private"
+        )
+    if name not in _MIXINS:
+        raise ValueError(f"unknown bug {name!r}; valid names: {', '.join(BUGS)}")
+    mixin, base = _MIXINS[name], type(optimizer)
+    if "clip_and_accumulate" in vars(mixin) and isinstance(optimizer, DPOptimizerFastGradientClipping):
+        raise TypeError(f"{name!r} needs per-sample gradients; ghost clipping optimizers have none")
+    unknown = sorted(set(options) - set(mixin.options))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown} for {name!r}; valid: {sorted(mixin.options)}")
+    for key, default in mixin.options.items():
+        setattr(optimizer, key, options.get(key, default))
+    mixin._prepare(optimizer)  # validates options; the class is not swapped yet
+    if (mixin, base) not in _CLASS_CACHE:
+        _CLASS_CACHE[mixin, base] = type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
+    optimizer.__class__ = _CLASS_CACHE[mixin, base]
+    optimizer.injected_bug = name
+    return optimizer
