@@ -1,0 +1,325 @@
+"""PrivacyAuditor: white-box gradient-canary audit of an Opacus DPOptimizer, in place.
+
+Per noised step (Tight Auditing, Algorithm 2, with the privatized sum read directly):
+
+    S  = summed_grad after the optimizer clipped the real batch (its own code)
+    K  = what the optimizer's own clip_and_accumulate adds for the in-canary rows
+    R  = released gradient after the optimizer's own add_noise = S + K + noise
+    observation_i = <w_i, R - S - predicted repeat noise> / C_l          (one per canary)
+    the update keeps R - K = S + noise, exactly what it would be without the auditor.
+
+Centering on S removes the data's own gradient, so for a correct optimizer an
+out-observation is N(0, s^2) and an in-observation N(1, s^2) with s the noise
+multiplier in the canary's units: the step is (1/s)-GDP for each canary. In "paired"
+mode the real release carries no canaries (out-observations) and a second, independent
+privatization of S + K gives the in-observations.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from . import estimators as est
+from .canaries import KINDS, CanarySampler
+from .monitor import POOLED, AnytimeMonitor
+from .noise_memory import NoiseMemory
+from .observations import ObservationLog
+from .probe import GradientProbe
+from .results import AuditResult, LayerAudit
+
+MODES = ("one-run", "paired")
+
+
+class PrivacyViolationWarning(UserWarning):
+    """The audited optimizer leaks more than its noise multiplier claims."""
+
+
+def _find_accountant(optimizer):
+    """The Opacus accountant whose hook make_private attached, if any."""
+    from opacus.accountants.accountant import IAccountant
+
+    for cell in getattr(optimizer.step_hook, "__closure__", None) or ():
+        if isinstance(cell.cell_contents, IAccountant):
+            return cell.cell_contents
+    return None
+
+
+def _check_optimizer(optimizer):
+    from opacus.optimizers import DPOptimizer
+
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(
+            f"PrivacyAuditor needs an Opacus DPOptimizer, got {type(optimizer).__name__}: pass the optimizer "
+            "returned by `PrivacyEngine.make_private(...)`"
+        )
+    name = type(optimizer).__name__
+    if "FastGradientClipping" in type(optimizer).__mro__[0].__name__ or any(
+        "FastGradientClipping" in c.__name__ for c in type(optimizer).__mro__
+    ):
+        raise TypeError(
+            f"{name} uses fast (ghost) gradient clipping: per-sample gradients never exist, so gradient canaries "
+            "cannot enter its clipping. Use grad_sample_mode='hooks' (the default) for an audited run."
+        )
+    if any(c.__name__ == "AdaClipDPOptimizer" for c in type(optimizer).__mro__):
+        raise TypeError("AdaClipDPOptimizer adapts its clipping bound to the batch; canary rows would bias it")
+    if getattr(optimizer, "_dpaudit_auditor", None) is not None:
+        raise RuntimeError("a PrivacyAuditor is already attached to this optimizer; call its detach() first")
+    if not optimizer.noise_multiplier or optimizer.noise_multiplier <= 0:
+        raise ValueError(
+            f"Unexpected value for the optimizer's noise_multiplier: {optimizer.noise_multiplier}; "
+            "with no noise there is no privacy claim to audit"
+        )
+
+
+class PrivacyAuditor:
+    """Plants gradient canaries in every noised step of `optimizer` and bounds epsilon.
+
+    canaries_per_step: canaries per noised step (one-run: half in, half out; paired: all
+    in the second release, all out in the first). canary_scale: canary norm as a multiple
+    of the clipping bound (> 1 audits clipping). moving: fresh coordinates each step.
+    support: coordinates per canary for "constant" and "random".
+    on_violation: called once with the AuditResult when the alarm first fires (default:
+    one PrivacyViolationWarning).
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        accountant=None,
+        delta: float = 1e-5,
+        confidence: float = 0.95,
+        canary: str = "dirac",
+        canaries_per_step: int = 128,
+        mode: str = "one-run",
+        estimator: str = "gdp-cp",
+        seed: Optional[int] = None,
+        canary_scale: float = 2.0,
+        moving: bool = True,
+        support: int = 16,
+        check_every: int = 1,
+        module: Optional[torch.nn.Module] = None,
+        on_violation: Optional[Callable[[AuditResult], None]] = None,
+    ):
+        _check_optimizer(optimizer)
+        est.epsilon_lower_bound([], [], delta=delta, method=estimator, confidence=confidence)  # validates all three
+        if delta <= 0:
+            raise ValueError(f"Unexpected value for `delta`: {delta}; the audit compares GDP curves, which need delta > 0")
+        if mode not in MODES:
+            raise ValueError(f"Unexpected value for `mode`: {mode!r}; valid modes are {', '.join(MODES)}")
+        if canary not in KINDS:
+            raise ValueError(f"Unexpected value for `canary`: {canary!r}; valid kinds are {', '.join(KINDS)}")
+        min_canaries = 2 if mode == "one-run" else 1
+        if int(canaries_per_step) < min_canaries:
+            raise ValueError(f"Unexpected value for `canaries_per_step`: {canaries_per_step}; {mode} needs >= {min_canaries}")
+        if canary_scale <= 0 or check_every < 1:
+            raise ValueError(f"`canary_scale` must be > 0 and `check_every` >= 1; got {canary_scale}, {check_every}")
+        self.optimizer = optimizer
+        self.accountant = accountant if accountant is not None else _find_accountant(optimizer)
+        self.delta, self.confidence, self.estimator = float(delta), float(confidence), estimator
+        self.mode, self.canary, self.check_every = mode, canary, int(check_every)
+        self.on_violation = on_violation
+        params = list(optimizer.params)
+        self.layer_names = _layer_names(params, module)
+        per_layer = hasattr(optimizer, "max_grad_norms")
+        clip = np.array(optimizer.max_grad_norms if per_layer else [optimizer.max_grad_norm] * len(params), dtype=float)
+        self.mu_claimed = 1.0 / float(optimizer.noise_multiplier)
+        layer_mu = clip / (float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm))
+        self.rng = np.random.default_rng(seed)
+        self.sampler = CanarySampler(
+            [p.numel() for p in params], kind=canary, per_step=canaries_per_step, moving=moving, support=support, rng=self.rng
+        )
+        self.probe = GradientProbe(params, self.sampler.pool, clip, canary_scale)
+        self.memory = NoiseMemory(self.sampler.pool_size)
+        self.log = ObservationLog(list(KINDS))
+        self.monitor = AnytimeMonitor({i: float(m) for i, m in enumerate(layer_mu)}, self.mu_claimed, confidence=confidence)
+        self.steps = 0
+        self._alerted = False
+        self._attach()
+
+    # ------------------------------------------------------------------ wiring
+
+    def _attach(self) -> None:
+        opt = self.optimizer
+        self._had_own_add_noise = "add_noise" in vars(opt)
+        self._previous_add_noise = vars(opt).get("add_noise")
+        self._release = opt.add_noise
+        opt.add_noise = self._audited_add_noise
+        opt._dpaudit_auditor = self
+
+    def detach(self) -> None:
+        """Restore the optimizer exactly as it was before the auditor attached."""
+        opt = self.optimizer
+        if getattr(opt, "_dpaudit_auditor", None) is not self:
+            return
+        if self._had_own_add_noise:
+            opt.add_noise = self._previous_add_noise
+        else:
+            del opt.add_noise
+        del opt._dpaudit_auditor
+
+    # ------------------------------------------------------------------ one noised step
+
+    def _audited_add_noise(self) -> None:
+        params = self.probe.params
+        data_sum = [p.summed_grad for p in params]
+        if self.mode == "one-run":
+            canaries = self.sampler.next_step()
+            added = self._add_canaries(canaries, data_sum)
+            self._release()
+            self._observe(data_sum, added, canaries, canaries.is_in)
+            for p, k in zip(params, added):
+                p.grad.sub_(k.view_as(p.grad))
+        else:
+            canaries = self.sampler.next_step(all_in=True)
+            self._release()
+            released = [p.grad.detach().clone() for p in params]
+            self._observe(data_sum, None, canaries, np.zeros(len(canaries.tensor), bool))
+            added = self._add_canaries(canaries, data_sum)
+            self._release()
+            self._observe(data_sum, added, canaries, np.ones(len(canaries.tensor), bool))
+            for p, r in zip(params, released):
+                p.grad = r
+        for p, s in zip(params, data_sum):  # summed_grad as the un-audited step leaves it
+            p.summed_grad = s
+            s._processed = True
+        self.steps += 1
+        if self.steps % self.check_every == 0:
+            self._check()
+
+    def _add_canaries(self, canaries, data_sum):
+        """Canary rows through the optimizer's own clipping; summed_grad becomes data + canaries."""
+        rows = self.probe.canary_rows(canaries, canaries.is_in)
+        added = self.probe.clip_alone(self.optimizer, rows) if rows[0].shape[0] else [torch.zeros_like(s) for s in data_sum]
+        for p, s, k in zip(self.probe.params, data_sum, added):
+            p.summed_grad = s + k
+        return added
+
+    def _observe(self, data_sum, added, canaries, is_in) -> None:
+        released = self.probe.at_pool([p.grad for p in self.probe.params]) - self.probe.at_pool(data_sum)
+        noise = released if added is None else released - self.probe.at_pool(added)
+        predicted = self.memory.predict(noise, canaries.pool_index)
+        self.memory.add(noise)
+        values = self.probe.project(released - predicted, canaries)
+        self.log.append(step=self.steps, layer=canaries.tensor, kind=self.canary, is_in=is_in, value=values)
+        self.monitor.update(canaries.tensor, is_in, values)
+
+    def _check(self) -> None:
+        fired = self.monitor.check(self.steps)
+        if fired and not self._alerted:
+            self._alerted = True
+            result = self.result()
+            if self.on_violation is not None:
+                self.on_violation(result)
+            else:
+                warnings.warn(_violation_message(result), PrivacyViolationWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ results
+
+    def observations(self) -> dict:
+        """All observations so far: numpy arrays step, layer, kind, is_in, value."""
+        return self.log.arrays()
+
+    def result(self) -> AuditResult:
+        """The audit so far (see AuditResult for what each number means)."""
+        ins, outs = self.log.scores()
+        mu_step = self._mu_lower(ins, outs)
+        anytime = self.monitor.refresh_bounds()
+        layers = []
+        for i, name in enumerate(self.layer_names):
+            l_in, l_out = self.log.scores(layer=i)
+            layers.append(
+                LayerAudit(
+                    name=name,
+                    mu_lower_bound=self._mu_lower(l_in, l_out),
+                    mu_lower_bound_anytime=float(anytime.get(i, 0.0)),
+                    mu_claimed=float(self.monitor.claims[i]),
+                    n_in=len(l_in),
+                    n_out=len(l_out),
+                    violation=i in self.monitor.first_violation,
+                )
+            )
+        violating = tuple(
+            "pooled" if g == POOLED else self.layer_names[g] for g in sorted(self.monitor.first_violation)
+        )
+        first = min(self.monitor.first_violation.values()) if self.monitor.first_violation else None
+        eps_accountant, eps_lower = self._end_to_end(mu_step)
+        return AuditResult(
+            epsilon_lower_bound=eps_lower,
+            epsilon_accountant=eps_accountant,
+            mu_lower_bound=mu_step,
+            mu_lower_bound_anytime=float(anytime.get(POOLED, 0.0)),
+            mu_claimed=self.mu_claimed,
+            violation=bool(violating),
+            violating_layers=violating,
+            n_in=len(ins),
+            n_out=len(outs),
+            steps=self.steps,
+            estimator=self.estimator,
+            confidence=self.confidence,
+            delta=self.delta,
+            epsilon_step_lower_bound=est.mu_to_epsilon(mu_step, self.delta),
+            epsilon_step_claimed=est.mu_to_epsilon(self.mu_claimed, self.delta),
+            first_violation_step=first,
+            noise_repeats=self.memory.matches,
+            mode=self.mode,
+            canary=self.canary,
+            layers=tuple(layers),
+        )
+
+    def _mu_lower(self, ins, outs) -> float:
+        e = est.epsilon_lower_bound(ins, outs, delta=self.delta, method=self.estimator, confidence=self.confidence)
+        if e.mu is not None:
+            return float(e.mu)
+        return est.epsilon_to_mu(e.epsilon, self.delta) if e.epsilon > 0 else 0.0
+
+    def _end_to_end(self, mu_step: float):
+        acc = self.accountant
+        if acc is None or not acc.history:
+            return math.nan, math.nan
+        kind = acc.mechanism()
+        claimed = float(acc.get_epsilon(delta=self.delta))
+        lower = est.end_to_end_epsilon(mu_step, delta=self.delta, history=acc.history, accountant=kind)
+        return claimed, lower
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "alerted": self._alerted,
+            "sampler": self.sampler.state_dict(),
+            "memory": self.memory.state_dict(),
+            "log": self.log.state_dict(),
+            "monitor": self.monitor.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self._alerted = bool(state.get("alerted", False))
+        self.sampler.load_state_dict(state["sampler"])
+        self.memory.load_state_dict(state["memory"])
+        self.log.load_state_dict(state["log"])
+        self.monitor.load_state_dict(state["monitor"])
+
+
+def _layer_names(params, module) -> list:
+    names = {}
+    if module is not None:
+        names = {id(p): n.removeprefix("_module.") for n, p in module.named_parameters()}
+    return [names.get(id(p), f"param{i}{tuple(p.shape)}") for i, p in enumerate(params)]
+
+
+def _violation_message(r: AuditResult) -> str:
+    where = ", ".join(r.violating_layers)
+    return (
+        f"DP audit: the optimizer leaks more than it claims. Per-step mu lower bound (anytime, "
+        f"{r.confidence:.0%}) {r.mu_lower_bound_anytime:.3f} vs claimed {r.mu_claimed:.3f}; "
+        f"empirical epsilon >= {r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} "
+        f"at delta={r.delta:g}; violating: {where}; first at step {r.first_violation_step}"
+    )

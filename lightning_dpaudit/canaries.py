@@ -1,0 +1,154 @@
+"""Gradient canaries: where they sit in the model's flat gradient and what they add.
+
+A canary is a chosen per-sample gradient. Each one lives in one parameter tensor, on a
+small support of coordinates drawn from a fixed pool, with a unit direction w over that
+support. Its per-sample gradient is `scale * C_l * w`, where C_l is the tensor's
+clipping bound (the optimizer's max_grad_norm for flat clipping) and `scale` (> 1 by
+default) makes clipping act on it: a correct optimizer shrinks it to C_l * w.
+
+Kinds (Tight Auditing, App. C.2):
+    dirac     one coordinate (support 1)
+    constant  equal values on `support` coordinates
+    random    Gaussian values on `support` coordinates, normalized
+
+"moving" canaries draw fresh coordinates every step; "static" ones keep theirs. Canaries
+of one step never share a coordinate, so their observations are independent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+KINDS = ("dirac", "constant", "random")
+DEFAULT_POOL = 8192
+
+
+@dataclass(frozen=True)
+class StepCanaries:
+    """The canaries of one noised step.
+
+    tensor      (k,) parameter-tensor index of each canary
+    coords      (k, support) flat coordinates inside that tensor
+    pool_index  (k, support) the same coordinates as positions in the pool (all tensors' pools concatenated)
+    weights     (k, support) unit direction of each canary over its support
+    is_in       (k,) True where the canary enters the step (one-run design)
+    """
+
+    tensor: np.ndarray
+    coords: np.ndarray
+    pool_index: np.ndarray
+    weights: np.ndarray
+    is_in: np.ndarray
+
+
+def allocate(capacity: Sequence[int], total: int) -> np.ndarray:
+    """Spread `total` canaries over tensors as evenly as their capacities allow."""
+    capacity = np.asarray(capacity, dtype=int)
+    if total > capacity.sum():
+        raise ValueError(f"cannot place {total} canaries in tensors with room for {capacity.sum()}")
+    quota = np.zeros_like(capacity)
+    remaining = total
+    open_ = capacity > 0
+    while remaining > 0:
+        share = max(remaining // int(open_.sum()), 1)
+        for i in np.flatnonzero(open_):
+            take = min(share, capacity[i] - quota[i], remaining)
+            quota[i] += take
+            remaining -= take
+            if quota[i] == capacity[i]:
+                open_[i] = False
+            if remaining == 0:
+                break
+    return quota
+
+
+class CanarySampler:
+    """Draws each step's canaries from its own numpy Generator."""
+
+    def __init__(
+        self,
+        tensor_sizes: Sequence[int],
+        *,
+        kind: str,
+        per_step: int,
+        moving: bool,
+        support: int,
+        rng: np.random.Generator,
+        pool_size: int = DEFAULT_POOL,
+    ):
+        if kind not in KINDS:
+            raise ValueError(f"Unexpected value for `canary`: {kind!r}; valid kinds are {', '.join(KINDS)}")
+        self.kind = kind
+        self.support = 1 if kind == "dirac" else int(support)
+        self.per_step = int(per_step)
+        self.moving = moving
+        self.rng = rng
+        sizes = np.asarray(tensor_sizes, dtype=int)
+        total_coords = int(sizes.sum())
+        if self.per_step * self.support > total_coords:
+            raise ValueError(
+                f"`canaries_per_step`={per_step} with support {self.support} needs "
+                f"{self.per_step * self.support} coordinates; the optimizer has {total_coords} parameters"
+            )
+        pool_size = max(pool_size, self.per_step * self.support)
+        pool_quota = allocate(sizes, min(pool_size, total_coords))
+        self.pool = [np.sort(rng.choice(n, size=q, replace=False)) for n, q in zip(sizes, pool_quota)]
+        self.pool_offsets = np.concatenate([[0], np.cumsum(pool_quota)])
+        self._pool_local = np.concatenate(self.pool)
+        self.quota = allocate(pool_quota // self.support, self.per_step)
+        self._static = None
+
+    @property
+    def pool_size(self) -> int:
+        return int(self.pool_offsets[-1])
+
+    def next_step(self, *, all_in: bool = False) -> StepCanaries:
+        """Canaries for the next noised step: half in, half out unless all_in."""
+        if self.moving or self._static is None:
+            placed = self._place()
+            if not self.moving:
+                self._static = placed
+        else:
+            placed = self._static
+        tensor, positions = placed
+        k = len(tensor)
+        if all_in:
+            is_in = np.ones(k, dtype=bool)
+        else:
+            is_in = np.zeros(k, dtype=bool)
+            is_in[self.rng.permutation(k)[: k // 2]] = True
+        return StepCanaries(tensor, self._pool_local[positions], positions, self._weights(k), is_in)
+
+    def _place(self):
+        """(tensor of each canary, its pool positions): distinct positions within each tensor."""
+        keys = self.rng.random(self.pool_size)
+        tensors, positions = [], []
+        for t, q in enumerate(self.quota):
+            if q == 0:
+                continue
+            lo, hi = self.pool_offsets[t], self.pool_offsets[t + 1]
+            take = q * self.support
+            chosen = np.argpartition(keys[lo:hi], take - 1)[:take] if take < hi - lo else np.arange(hi - lo)
+            tensors.append(np.full(q, t))
+            positions.append((chosen + lo).reshape(q, self.support))
+        return np.concatenate(tensors), np.concatenate(positions)
+
+    def _weights(self, k: int) -> np.ndarray:
+        if self.kind == "random":
+            w = self.rng.standard_normal((k, self.support))
+        else:
+            w = np.ones((k, self.support))
+        return w / np.linalg.norm(w, axis=1, keepdims=True)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.bit_generator.state, "static": self._static, "pool": [p.copy() for p in self.pool]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self._static = state.get("static")
+        if "pool" in state:
+            self.pool = [np.asarray(p) for p in state["pool"]]
+            self._pool_local = np.concatenate(self.pool)

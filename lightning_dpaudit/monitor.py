@@ -1,0 +1,114 @@
+"""Online violation alarm with a false-alarm rate that holds under checking at every step.
+
+The monitor counts, for the pooled observations and for each parameter tensor, the
+outcomes of the fixed threshold attack (in when value >= 0.5). At each check it computes
+an anytime-valid lower bound on mu (estimators.sequential) for every group and raises
+the alarm for a group the first time the bound exceeds that group's claimed mu.
+
+Error budget: alpha = 1 - confidence, split Bonferroni-style: half for the pooled test,
+half shared equally by the per-tensor tests (all of it to the pooled test when there is
+one tensor). With each group's confidence sequence valid uniformly over time, a correct
+implementation raises any alarm with probability <= alpha over the whole run.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import numpy as np
+from scipy.special import ndtri
+
+from .estimators.sequential import anytime_mu_lower
+
+THRESHOLD = 0.5
+POOLED = -1
+
+
+class AnytimeMonitor:
+    def __init__(self, claimed_mu: Dict[int, float], pooled_claim: float, *, confidence: float):
+        self.confidence = confidence
+        alpha = 1.0 - confidence
+        layers = sorted(claimed_mu)
+        self.claims = {POOLED: pooled_claim, **claimed_mu}
+        if len(layers) <= 1:
+            self.alpha = {POOLED: alpha}
+        else:
+            self.alpha = {POOLED: alpha / 2, **{l: alpha / (2 * len(layers)) for l in layers}}
+        self.num_layers = len(layers)
+        self.counts = {g: np.zeros(4, dtype=np.int64) for g in self.alpha}  # tp, fn, fp, tn
+        self.bounds = {g: 0.0 for g in self.alpha}
+        self.first_violation: Dict[int, int] = {}
+
+    def update(self, layers: Sequence[int], is_in: np.ndarray, values: np.ndarray) -> None:
+        said_in = np.asarray(values) >= THRESHOLD
+        is_in = np.asarray(is_in, dtype=bool)
+        outcome = np.where(is_in, np.where(said_in, 0, 1), np.where(said_in, 2, 3))  # tp, fn, fp, tn
+        per_layer = np.bincount(np.asarray(layers) * 4 + outcome, minlength=4 * self.num_layers).reshape(-1, 4)
+        self.counts[POOLED] += per_layer.sum(axis=0)
+        for layer in range(self.num_layers):
+            if layer in self.counts:
+                self.counts[layer] += per_layer[layer]
+
+    def check(self, step: int) -> List[int]:
+        """Groups whose alarm fires at this check for the first time."""
+        fired = []
+        groups = list(self.counts)
+        screen = _screen_mu(np.array([self.counts[g] for g in groups], dtype=float), np.array([self.alpha[g] for g in groups]))
+        for group, upper in zip(groups, screen):
+            tp, fn, fp, tn = self.counts[group]
+            if group in self.first_violation or min(tp + fn, fp + tn) == 0:
+                continue
+            claim = self.claims[group]
+            if upper <= claim:  # the anytime bound is below this screen, hence below the claim
+                continue
+            bound = anytime_mu_lower(tp, fn, fp, tn, alpha=self.alpha[group], mu_anticipated=claim)
+            self.bounds[group] = bound
+            if bound > claim:
+                self.first_violation[group] = step
+                fired.append(group)
+        return fired
+
+    def refresh_bounds(self) -> Dict[int, float]:
+        """Anytime-valid mu lower bound of every group, now."""
+        for group, (tp, fn, fp, tn) in self.counts.items():
+            if min(tp + fn, fp + tn) > 0:
+                self.bounds[group] = anytime_mu_lower(
+                    tp, fn, fp, tn, alpha=self.alpha[group], mu_anticipated=self.claims[group]
+                )
+        return dict(self.bounds)
+
+    def state_dict(self) -> dict:
+        return {
+            "counts": {int(g): c.tolist() for g, c in self.counts.items()},
+            "bounds": {int(g): float(b) for g, b in self.bounds.items()},
+            "first_violation": {int(g): int(s) for g, s in self.first_violation.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for g, c in state.get("counts", {}).items():
+            self.counts[int(g)] = np.asarray(c, dtype=np.int64)
+        self.bounds.update({int(g): float(b) for g, b in state.get("bounds", {}).items()})
+        self.first_violation = {int(g): int(s) for g, s in state.get("first_violation", {}).items()}
+
+
+def _screen_mu(counts: np.ndarray, alphas: np.ndarray) -> np.ndarray:
+    """Cheap upper bound on every group's anytime mu bound, to skip hopeless checks.
+
+    The beta-binomial mixture never exceeds the maximum likelihood ratio L(p_hat)/L(p),
+    and KL(p_hat || p) <= (p - p_hat)^2 / (p (1 - p)), so every p with
+    n (p - p_hat)^2 < log(1/alpha) p (1 - p) lies inside the confidence sequence. The
+    largest such p is Wilson's upper bound with z^2 = log(1/alpha); Eq. 12 on those
+    bounds is therefore >= the anytime bound, and a group at or below its claim here
+    cannot be in violation.
+    """
+    tp, fn, fp, tn = counts.T
+    z2 = np.log(2.0 / alphas)  # each rate gets alpha / 2
+
+    def wilson_upper(k, n):
+        n = np.maximum(n, 1)
+        p = k / n
+        return (2 * n * p + z2 + np.sqrt(4 * n * p * (1 - p) * z2 + z2**2)) / (2 * (n + z2))
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mu = -ndtri(np.minimum(wilson_upper(fp, fp + tn), 1.0)) - ndtri(np.minimum(wilson_upper(fn, tp + fn), 1.0))
+    return np.where(np.isnan(mu), np.inf, mu)

@@ -1,0 +1,70 @@
+"""Frozen records of an audit's outcome."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional, Tuple
+
+
+@dataclass(frozen=True)
+class LayerAudit:
+    """One parameter tensor's share of the audit.
+
+    mu_lower_bound: fixed-sample lower bound on the per-step mu seen by canaries in this
+    tensor; mu_claimed: what the optimizer's noise and clipping promise for them;
+    mu_lower_bound_anytime: the anytime-valid bound the alarm compares with the claim.
+    """
+
+    name: str
+    mu_lower_bound: float
+    mu_lower_bound_anytime: float
+    mu_claimed: float
+    n_in: int
+    n_out: int
+    violation: bool
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """What the canaries show about the privacy of the audited steps.
+
+    epsilon_lower_bound   end-to-end epsilon at `delta` implied by mu_lower_bound
+                          (per-step noise multiplier 1/mu composed by the run's own
+                          accountant type, sample rate and steps; Tight Auditing 5.5)
+    epsilon_accountant    the accountant's epsilon at `delta` (nan without accountant)
+    mu_lower_bound        per-step GDP mu lower bound from all observations with the
+                          `estimator` at `confidence`; a fixed-sample bound, valid when
+                          read once (for example at the end of training)
+    mu_lower_bound_anytime the pooled anytime-valid bound used by the alarm
+    mu_claimed            1 / noise_multiplier, the per-step mu the optimizer promises
+    violation             True if at any check the anytime-valid bound of the pooled
+                          observations or of a tensor exceeded its claim; a correct
+                          implementation shows this with probability <= 1 - confidence
+    violating_layers      names of tensors whose own test fired ("pooled" for the pool)
+    epsilon_step_lower_bound, epsilon_step_claimed: per-step epsilons at `delta` (Eq. 6)
+    noise_repeats         steps whose noise matched an earlier step's (should be 0)
+    """
+
+    epsilon_lower_bound: float
+    epsilon_accountant: float
+    mu_lower_bound: float
+    mu_lower_bound_anytime: float
+    mu_claimed: float
+    violation: bool
+    violating_layers: Tuple[str, ...]
+    n_in: int
+    n_out: int
+    steps: int
+    estimator: str
+    confidence: float
+    delta: float
+    epsilon_step_lower_bound: float
+    epsilon_step_claimed: float
+    first_violation_step: Optional[int]
+    noise_repeats: int
+    mode: str
+    canary: str
+    layers: Tuple[LayerAudit, ...]
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,142 @@
+"""Audit an Opacus optimizer from a test suite: `audit_optimizer(...)` fails loudly on a leak.
+
+Example (in a DP library's own tests):
+
+    from lightning_dpaudit.testing import audit_optimizer
+    def test_my_optimizer_is_private():
+        audit_optimizer(MyDPOptimizer, steps=600)   # raises PrivacyAuditFailure on a leak
+
+The bug zoo (`lightning_dpaudit.bugs`) holds deliberately broken optimizers to check
+that an audit catches what it should.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional, Type
+
+import torch
+
+from .auditor import PrivacyAuditor
+from .bugs import BUGS, inject_bug, list_bugs
+from .digits import make_private_digits
+from .results import AuditResult
+
+__all__ = ["BUGS", "PrivacyAuditFailure", "audit_optimizer", "inject_bug", "list_bugs", "train_audited"]
+
+
+class PrivacyAuditFailure(AssertionError):
+    """The audited optimizer leaked more than its noise multiplier claims."""
+
+
+def train_audited(
+    *,
+    steps: int,
+    noise_multiplier: float = 1.0,
+    max_grad_norm: float = 1.0,
+    batch_size: int = 64,
+    clipping: str = "flat",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    loss_reduction: str = "mean",
+    transform: Optional[Callable] = None,
+    stop_on_violation: bool = False,
+    **auditor_options,
+) -> AuditResult:
+    """Train the digits CNN for `steps` noised steps under a PrivacyAuditor; return its result.
+
+    transform(optimizer) may replace or modify the Opacus optimizer before the audit
+    attaches (for example to inject a bug or build a user's optimizer class).
+    """
+    model, optimizer, loader, _ = make_private_digits(
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        batch_size=batch_size,
+        clipping=clipping,
+        seed=seed,
+        dtype=dtype,
+        loss_reduction=loss_reduction,
+    )
+    if transform is not None:
+        optimizer = transform(optimizer)
+    violated = []
+    auditor_options.setdefault("seed", seed)
+    auditor = PrivacyAuditor(optimizer, module=model, on_violation=violated.append, **auditor_options)
+    loss_fn = torch.nn.CrossEntropyLoss(reduction=loss_reduction)
+    done = 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+        while done < steps:
+            for images, labels in loader:
+                optimizer.zero_grad()
+                loss_fn(model(images), labels).backward()
+                optimizer.step()
+                done += 1
+                if done >= steps or (stop_on_violation and violated):
+                    break
+            if stop_on_violation and violated:
+                break
+    result = auditor.result()
+    auditor.detach()
+    return result
+
+
+def _rebuild(optimizer_class: Type, optimizer_kwargs: dict) -> Callable:
+    def transform(dp_optimizer):
+        new = optimizer_class(
+            dp_optimizer.original_optimizer,
+            noise_multiplier=dp_optimizer.noise_multiplier,
+            max_grad_norm=dp_optimizer.max_grad_norm,
+            expected_batch_size=dp_optimizer.expected_batch_size,
+            loss_reduction=dp_optimizer.loss_reduction,
+            generator=dp_optimizer.generator,
+            **optimizer_kwargs,
+        )
+        new.attach_step_hook(dp_optimizer.step_hook)  # keeps the accountant's hook
+        return new
+
+    return transform
+
+
+def audit_optimizer(
+    optimizer_class: Optional[Type] = None,
+    *,
+    bug: Optional[str] = None,
+    steps: int = 1000,
+    noise_multiplier: float = 1.0,
+    optimizer_kwargs: Optional[dict] = None,
+    expect_violation: bool = False,
+    **options,
+) -> AuditResult:
+    """Audit `optimizer_class` (a DPOptimizer subclass) or a bug-zoo `bug` on the digits CNN.
+
+    Raises PrivacyAuditFailure with the numbers when the audit finds a leak (or, with
+    expect_violation=True, when it does not). Returns the AuditResult otherwise.
+    """
+    if optimizer_class is not None and bug is not None:
+        raise ValueError("pass either `optimizer_class` or `bug`, not both")
+    if bug is not None:
+        transform = lambda opt: inject_bug(opt, bug)  # noqa: E731
+        label = f"bug {bug!r}"
+    elif optimizer_class is not None:
+        transform = _rebuild(optimizer_class, optimizer_kwargs or {})
+        label = optimizer_class.__name__
+    else:
+        transform, label = None, "opacus DPOptimizer"
+    result = train_audited(
+        steps=steps, noise_multiplier=noise_multiplier, transform=transform, stop_on_violation=True, **options
+    )
+    if result.violation != expect_violation:
+        raise PrivacyAuditFailure(_failure_message(label, result, expect_violation))
+    return result
+
+
+def _failure_message(label: str, r: AuditResult, expected: bool) -> str:
+    verdict = "found no leak, but one was expected" if expected else "leaks more than it claims"
+    layers = ", ".join(r.violating_layers) or "none"
+    return (
+        f"{label} {verdict}: per-step mu lower bound {r.mu_lower_bound_anytime:.3f} (anytime, "
+        f"{r.confidence:.0%}) vs claimed {r.mu_claimed:.3f}; end-to-end epsilon >= {r.epsilon_lower_bound:.3g} "
+        f"vs accountant {r.epsilon_accountant:.3g}; violating: {layers}; steps {r.steps}; "
+        f"first alarm at step {r.first_violation_step}"
+    )

@@ -1,0 +1,240 @@
+"""PrivacyAuditor on real Opacus optimizers: exactness, wiring, coverage of Opacus, errors."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
+
+from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit.digits import DigitsCNN, digits_dataset, make_private_digits
+from lightning_dpaudit.testing import train_audited
+
+warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+
+
+def _train(model, optimizer, loader, steps, *, accumulate=1, loss_reduction="mean"):
+    loss_fn = torch.nn.CrossEntropyLoss(reduction=loss_reduction)
+    done, batches = 0, 0
+    while done < steps:
+        for images, labels in loader:
+            loss_fn(model(images), labels).backward()
+            batches += 1
+            if batches % accumulate:
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+            done += 1
+            if done >= steps:
+                return
+
+
+def _params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# ------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("mode", ["one-run", "paired"])
+def test_update_is_unchanged_and_auditor_uses_only_its_own_generator(mode):
+    runs = {}
+    for audited in (False, True):
+        torch.manual_seed(123)
+        np.random.seed(123)
+        model, opt, loader, _ = make_private_digits(noise_multiplier=1.0, seed=5)
+        if audited:
+            auditor = PrivacyAuditor(opt, seed=0, mode=mode)
+        _train(model, opt, loader, 25)
+        runs[audited] = (_params(model), torch.get_rng_state(), np.random.get_state()[1].copy(), opt.generator.get_state())
+    plain, audited = runs[False], runs[True]
+    if mode == "one-run":  # one privatization per step: the optimizer's noise stream is untouched
+        assert torch.max(torch.abs(plain[0] - audited[0])).item() <= 1e-6
+        assert torch.equal(plain[3], audited[3])
+    assert torch.equal(plain[1], audited[1]), "the auditor drew from torch's global generator"
+    assert np.array_equal(plain[2], audited[2]), "the auditor drew from numpy's global generator"
+    assert auditor.result().n_in == 25 * (64 if mode == "one-run" else 128)
+
+
+def test_detach_restores_the_optimizer_exactly():
+    model, opt, loader, _ = make_private_digits(seed=0)
+    before = dict(vars(opt))
+    auditor = PrivacyAuditor(opt, seed=0)
+    assert "add_noise" in vars(opt)
+    auditor.detach()
+    assert vars(opt).keys() == before.keys()
+    assert type(opt).add_noise is DPOptimizer.add_noise
+    PrivacyAuditor(opt, seed=0)  # attachable again after detach
+
+
+class CountingOptimizer(DPOptimizer):
+    """A user subclass overriding two template steps."""
+
+    clips = 0
+    noises = 0
+
+    def clip_and_accumulate(self):
+        type(self).clips += 1
+        super().clip_and_accumulate()
+
+    def add_noise(self):
+        type(self).noises += 1
+        super().add_noise()
+
+
+def test_user_subclass_overrides_are_kept_and_audited():
+    result = train_audited(steps=30, transform=lambda opt: _as(opt, CountingOptimizer))
+    # the canaries go through the subclass's own clipping: one extra clip per noised step
+    assert CountingOptimizer.clips == 60 and CountingOptimizer.noises == 30
+    assert result.steps == 30 and not result.violation
+
+
+def _as(opt, cls):
+    opt.__class__ = cls
+    return opt
+
+
+# ------------------------------------------------------------------ coverage of Opacus
+
+
+def test_per_layer_clipping_optimizer():
+    result = train_audited(steps=150, clipping="per_layer", noise_multiplier=1.0)
+    assert not result.violation
+    claims = [layer.mu_claimed for layer in result.layers]
+    assert max(claims) < result.mu_claimed  # each tensor sees C_l / (sigma C) < 1 / sigma
+    broken = train_audited(steps=150, clipping="per_layer", transform=lambda o: _inject(o, "no-noise"))
+    assert broken.violation
+
+
+def _inject(opt, name):
+    from lightning_dpaudit.bugs import inject_bug
+
+    return inject_bug(opt, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_dtypes_and_loss_reductions(dtype, loss_reduction):
+    result = train_audited(steps=60, dtype=dtype, loss_reduction=loss_reduction)
+    assert result.n_in == result.n_out == 60 * 64
+    assert not result.violation
+    assert 0.4 < result.mu_lower_bound <= 1.15
+
+
+def test_poisson_sampling_with_empty_batches():
+    data = torch.utils.data.Subset(digits_dataset(), range(40))
+    model = DigitsCNN()
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=1),  # sample rate 1/40: many empty batches
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=True,
+    )
+    auditor = PrivacyAuditor(opt, seed=0)
+    sizes = []
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for images, labels in loader:
+        sizes.append(len(labels))
+        opt.zero_grad()
+        loss_fn(model(images), labels).backward()
+        opt.step()
+    assert 0 in sizes
+    assert auditor.result().steps == len(sizes)
+
+
+def test_gradient_accumulation_gets_one_set_of_canaries_per_noised_step():
+    runs = {}
+    for audited in (False, True):
+        model, opt, loader, _ = make_private_digits(seed=3, poisson_sampling=False)
+        auditor = PrivacyAuditor(opt, seed=0) if audited else None
+        _train(model, opt, loader, 10, accumulate=2)
+        runs[audited] = _params(model)
+    assert torch.max(torch.abs(runs[False] - runs[True])).item() <= 1e-6
+    assert auditor.result().steps == 10
+    assert auditor.result().n_in == 10 * 64
+
+
+def test_fast_gradient_clipping_is_refused():
+    model = DigitsCNN()
+    loader = torch.utils.data.DataLoader(digits_dataset(), batch_size=64)
+    engine = PrivacyEngine()
+    _, opt, _, _, _ = _ghost(engine, model, loader)
+    with pytest.raises(TypeError, match="fast \\(ghost\\) gradient clipping"):
+        PrivacyAuditor(opt)
+
+
+def _ghost(engine, model, loader):
+    model, opt, criterion, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        criterion=torch.nn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode="ghost",
+    )
+    return model, opt, criterion, loader, engine
+
+
+# ------------------------------------------------------------------ results and persistence
+
+
+def test_result_observations_and_state_round_trip():
+    model, opt, loader, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(opt, seed=1, module=model)
+    _train(model, opt, loader, 20)
+    obs = auditor.observations()
+    assert set(obs) == {"step", "layer", "kind", "is_in", "value"}
+    assert len(obs["value"]) == 20 * 128 and obs["is_in"].sum() == 20 * 64
+    assert set(obs["kind"]) == {"dirac"}
+    result = auditor.result()
+    assert [layer.name for layer in result.layers][0] == "features.0.weight"
+    assert result.epsilon_accountant > 0 and 0 <= result.epsilon_lower_bound < result.epsilon_accountant
+
+    state = auditor.state_dict()
+    twin = PrivacyAuditor(make_private_digits(seed=0)[1], seed=99)
+    twin.load_state_dict(state)
+    assert twin.result().mu_lower_bound == result.mu_lower_bound
+    np.testing.assert_array_equal(twin.observations()["value"], obs["value"])
+    # the canary generator resumes where it stopped
+    assert np.array_equal(twin.sampler.next_step().coords, auditor.sampler.next_step().coords)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_errors_name_the_problem():
+    model, opt, _, _ = make_private_digits(seed=0)
+    with pytest.raises(TypeError, match="needs an Opacus DPOptimizer, got SGD.*make_private"):
+        PrivacyAuditor(torch.optim.SGD(model.parameters(), lr=0.1))
+    for kwargs, match in [
+        ({"delta": 0.0}, "delta"),
+        ({"delta": 1.5}, "delta"),
+        ({"confidence": 1.0}, "confidence"),
+        ({"canary": "laser"}, "valid kinds are dirac, constant, random"),
+        ({"mode": "twice"}, "valid modes are one-run, paired"),
+        ({"estimator": "guess"}, "valid methods"),
+        ({"canaries_per_step": 1}, "canaries_per_step"),
+        ({"canaries_per_step": 10**6}, "the optimizer has 9802 parameters"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            PrivacyAuditor(opt, **kwargs)
+    PrivacyAuditor(opt)
+    with pytest.raises(RuntimeError, match="already attached"):
+        PrivacyAuditor(opt)
+    _, quiet, _, _ = make_private_digits(seed=0)
+    quiet.noise_multiplier = 0.0
+    with pytest.raises(ValueError, match="noise_multiplier: 0.0"):
+        PrivacyAuditor(quiet)
+
+
+def test_per_layer_optimizer_type_is_recognised():
+    _, opt, _, _ = make_private_digits(clipping="per_layer", seed=0)
+    assert isinstance(opt, DPPerLayerOptimizer)
+    auditor = PrivacyAuditor(opt, seed=0)
+    assert np.allclose(auditor.probe.clip_bounds, opt.max_grad_norms)
