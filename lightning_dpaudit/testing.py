@@ -41,12 +41,14 @@ def train_audited(
     loss_reduction: str = "mean",
     transform: Optional[Callable] = None,
     stop_on_violation: bool = False,
+    return_observations: bool = False,
     **auditor_options,
-) -> AuditResult:
+):
     """Train the digits CNN for `steps` noised steps under a PrivacyAuditor; return its result.
 
     transform(optimizer) may replace or modify the Opacus optimizer before the audit
-    attaches (for example to inject a bug or build a user's optimizer class).
+    attaches (for example to inject a bug or build a user's optimizer class). With
+    return_observations, returns (result, observations) instead.
     """
     model, optimizer, loader, _ = make_private_digits(
         noise_multiplier=noise_multiplier,
@@ -78,7 +80,7 @@ def train_audited(
                 break
     result = auditor.result()
     auditor.detach()
-    return result
+    return (result, auditor.observations()) if return_observations else result
 
 
 def _rebuild(optimizer_class: Type, optimizer_kwargs: dict) -> Callable:

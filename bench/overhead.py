@@ -1,0 +1,65 @@
+"""Overhead of the auditor: the same training with and without it, alternating, in one run.
+
+Digits CNN under Opacus (batch 64, Poisson sampling), `--steps` steps per timing. The
+runs alternate A (no auditor), B (auditor) so that machine noise hits both alike; the
+ratio of the medians is reported for each mode.
+
+    .venv/bin/python bench/overhead.py [--steps 300] [--rounds 5] [--batch-size 64] [--canaries 128]
+"""
+
+import argparse
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from lightning_dpaudit.auditor import PrivacyAuditor
+from lightning_dpaudit.digits import make_private_digits
+
+
+def timed_training(*, steps, batch_size, mode, canaries):
+    model, optimizer, loader, _ = make_private_digits(batch_size=batch_size, seed=0)
+    if mode is not None:
+        PrivacyAuditor(optimizer, mode=mode, canaries_per_step=canaries, seed=0)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    done = 0
+    start = time.perf_counter()
+    while done < steps:
+        for images, labels in loader:
+            optimizer.zero_grad()
+            loss_fn(model(images), labels).backward()
+            optimizer.step()
+            done += 1
+            if done >= steps:
+                break
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--canaries", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", default=["one-run", "paired"])
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    timed_training(steps=20, batch_size=args.batch_size, mode="one-run", canaries=args.canaries)  # warm-up
+    times = {None: [], **{m: [] for m in args.modes}}
+    for _ in range(args.rounds):
+        for mode in times:
+            times[mode].append(timed_training(steps=args.steps, batch_size=args.batch_size, mode=mode, canaries=args.canaries))
+    base = np.median(times[None])
+    print(f"steps={args.steps} rounds={args.rounds} batch={args.batch_size} canaries/step={args.canaries} threads=1")
+    print(f"| run | median seconds | ms/step | ratio to no auditor |")
+    print("| --- | --- | --- | --- |")
+    print(f"| no auditor | {base:.2f} | {1000 * base / args.steps:.2f} | 1.00 |")
+    for mode in args.modes:
+        t = np.median(times[mode])
+        print(f"| {mode} | {t:.2f} | {1000 * t / args.steps:.2f} | {t / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
