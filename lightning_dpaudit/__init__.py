@@ -17,6 +17,8 @@ _LAZY = {
     "LayerAudit": "results",
     "audit_optimizer": "testing",
     "PrivacyAuditFailure": "testing",
+    "DPAuditCallback": "callback",
+    "PrivacyViolationError": "callback",
 }
 
 __all__ = ["EpsilonEstimate", "end_to_end_epsilon", "epsilon_lower_bound", "mu_to_epsilon", "__version__", *_LAZY]

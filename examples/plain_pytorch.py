@@ -1,0 +1,45 @@
+"""Audit a plain PyTorch + Opacus training loop with PrivacyAuditor.
+
+    .venv/bin/python examples/plain_pytorch.py [--steps 500]
+"""
+
+import argparse
+
+import torch
+from opacus import PrivacyEngine
+
+from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit.digits import DigitsCNN, digits_dataset
+
+
+def main(steps: int) -> None:
+    model = DigitsCNN()
+    loader = torch.utils.data.DataLoader(digits_dataset(), batch_size=64, shuffle=True)
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    auditor = PrivacyAuditor(optimizer, delta=1e-5, module=model)  # the only added line
+    loss_fn = torch.nn.CrossEntropyLoss()
+    done = 0
+    while done < steps:
+        for images, labels in loader:
+            optimizer.zero_grad()
+            loss_fn(model(images), labels).backward()
+            optimizer.step()
+            done += 1
+            if done >= steps:
+                break
+    result = auditor.result()
+    print(f"steps {result.steps}: empirical epsilon >= {result.epsilon_lower_bound:.2f}, "
+          f"accountant epsilon {result.epsilon_accountant:.2f} (delta 1e-5); violation: {result.violation}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=500)
+    main(parser.parse_args().steps)

@@ -1,0 +1,321 @@
+"""DPAuditCallback: the PrivacyAuditor inside a Lightning Trainer, with logging and alerts.
+
+Add it to `pl.Trainer(callbacks=[DPAuditCallback()])`. At fit start it finds the Opacus
+DPOptimizer among the Trainer's optimizers (and the accountant that make_private hooked
+to it), attaches a PrivacyAuditor, then logs the running audit every
+`log_every_n_steps` optimizer steps through the Trainer's loggers, alerts once when the
+anytime-valid alarm fires, and writes audit_report.json/.png at the end of fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+
+from .auditor import PrivacyAuditor
+from .results import AuditResult
+
+log = logging.getLogger(__name__)
+ALERTS = ("warn", "raise", "stop")
+
+
+class PrivacyViolationError(RuntimeError):
+    """Raised by DPAuditCallback(alert="raise") when the audit finds a leak."""
+
+
+class DPAuditCallback(Callback):
+    """Audit the Trainer's Opacus DPOptimizer while it trains.
+
+    alert: "warn" (one warning), "raise" (PrivacyViolationError), "stop" (end training
+    cleanly) or a callable receiving the AuditResult; each fires once.
+    optimizer / accountant: pass them when the callback cannot find them.
+    auditor_options: passed to PrivacyAuditor (delta, confidence, canary, mode, ...).
+    """
+
+    def __init__(
+        self,
+        *,
+        alert: Union[str, Callable[[AuditResult], Any]] = "warn",
+        log_every_n_steps: int = 50,
+        accountant=None,
+        optimizer=None,
+        report: bool = True,
+        **auditor_options,
+    ):
+        if not (callable(alert) or alert in ALERTS):
+            raise ValueError(f"Unexpected value for `alert`: {alert!r}; use one of {', '.join(ALERTS)} or a callable")
+        if int(log_every_n_steps) <= 0:
+            raise ValueError(f"Unexpected value for `log_every_n_steps`: {log_every_n_steps}; it must be >= 1")
+        self.alert = alert
+        self.log_every_n_steps = int(log_every_n_steps)
+        self.accountant = accountant
+        self.optimizer = optimizer
+        self.report = report
+        self.auditor_options = auditor_options
+        self.auditor: Optional[PrivacyAuditor] = None
+        self.history: list = []
+        self.alerted = False
+        self._pending_state: Optional[dict] = None
+        self._trainer: Optional[pl.Trainer] = None
+
+    @property
+    def state_key(self) -> str:
+        options = {k: self.auditor_options.get(k) for k in ("canary", "mode", "canaries_per_step", "estimator")}
+        return self._generate_state_key(**options)
+
+    # ------------------------------------------------------------------ set-up
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = self.optimizer if self.optimizer is not None else _find_dp_optimizer(trainer.optimizers)
+        accountant = self.accountant if self.accountant is not None else _module_accountant(pl_module)
+        _check_accountant(accountant, optimizer)
+        self._trainer = trainer
+        self.auditor = PrivacyAuditor(
+            optimizer, accountant=accountant, module=pl_module, on_violation=self._on_violation, **self.auditor_options
+        )
+        if self._pending_state is not None:
+            self._restore(self._pending_state)
+            self._pending_state = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.auditor is not None and stage == "fit":
+            self.auditor.detach()
+
+    # ------------------------------------------------------------------ during training
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.auditor is None or trainer.sanity_checking or self.auditor.steps == 0:
+            return
+        if self.auditor.steps % self.log_every_n_steps == 0 and self.auditor.steps != self._last_logged():
+            self._log(trainer, pl_module, self.auditor.result())
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.auditor is not None and self.auditor.steps:
+            self._log_figure(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.auditor is None or not self.auditor.steps:
+            return
+        result = self.auditor.result()
+        if self.auditor.steps != self._last_logged():
+            self._log(trainer, pl_module, result, progress_bar=False)
+        if self.report:
+            self._write_report(trainer, result)
+
+    # ------------------------------------------------------------------ alerts
+
+    def _on_violation(self, result: AuditResult) -> None:
+        if self.alerted:
+            return
+        self.alerted = True
+        message = _alert_message(result)
+        if callable(self.alert):
+            self.alert(result)
+        elif self.alert == "warn":
+            rank_zero_warn(message, category=UserWarning)
+        elif self.alert == "raise":
+            raise PrivacyViolationError(message)
+        else:
+            trainer = self._trainer
+            if trainer is not None:
+                trainer.should_stop = True
+            rank_zero_info(f"Training stopped by DPAuditCallback: {message}")
+
+    # ------------------------------------------------------------------ logging
+
+    def _last_logged(self) -> int:
+        return self.history[-1]["step"] if self.history else -1
+
+    def _log(self, trainer, pl_module, result: AuditResult, progress_bar: bool = True) -> None:
+        step = result.steps
+        self.history.append(
+            {"step": step, "eps_lower_bound": result.epsilon_lower_bound, "eps_accountant": result.epsilon_accountant}
+        )
+        metrics = {
+            "dpaudit/eps_lower_bound": result.epsilon_lower_bound,
+            "dpaudit/eps_accountant": result.epsilon_accountant,
+            "dpaudit/mu_lower_bound": result.mu_lower_bound,
+            "dpaudit/mu_claimed": result.mu_claimed,
+            "dpaudit/n_observations": float(result.n_in + result.n_out),
+            "dpaudit/violation": float(result.violation),
+        }
+        for layer in result.layers:
+            metrics[f"dpaudit/layers/{layer.name}/mu_lower_bound"] = layer.mu_lower_bound
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
+        self._write_metrics(trainer, metrics, step)
+        if progress_bar:
+            bar = {"eps_low": result.epsilon_lower_bound, "eps_acc": result.epsilon_accountant}
+            pl_module.log_dict({k: v for k, v in bar.items() if math.isfinite(v)}, prog_bar=True, logger=False)
+
+    @rank_zero_only
+    def _write_metrics(self, trainer, metrics: dict, step: int) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        ins, outs = self.auditor.log.scores()
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and len(ins):
+                logger.experiment.add_histogram("dpaudit/observations_in", ins, step)
+                logger.experiment.add_histogram("dpaudit/observations_out", outs, step)
+
+    @rank_zero_only
+    def _log_figure(self, trainer) -> None:
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if not loggers:
+            return
+        from .report import tradeoff_figure
+
+        ins, outs = self.auditor.log.scores()
+        result_mu = self.auditor.monitor.bounds.get(-1, None)
+        figure = tradeoff_figure(ins, outs, mu_claimed=self.auditor.mu_claimed, mu_lower=result_mu)
+        for logger in loggers:
+            logger.experiment.add_figure("dpaudit/tradeoff", figure, self.auditor.steps, close=False)
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+
+    @rank_zero_only
+    def _write_report(self, trainer, result: AuditResult) -> None:
+        from .report import summary_table, write_report
+
+        directory = Path(_log_dir(trainer))
+        ins, outs = self.auditor.log.scores()
+        json_path, png_path = write_report(
+            directory,
+            result,
+            settings={"alert": self.alert if isinstance(self.alert, str) else "callable", **_plain(self.auditor_options)},
+            versions=_versions(),
+            history=self.history,
+            in_values=ins,
+            out_values=outs,
+        )
+        self.report_paths = (json_path, png_path)
+        print(summary_table({"result": result.to_dict()}))
+        print(f"audit report: {json_path} and {png_path}")
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict:
+        state = {"history": list(self.history), "alerted": self.alerted}
+        if self.auditor is not None:
+            state["auditor"] = _to_checkpoint(self.auditor.state_dict())
+            if self.auditor.accountant is not None:
+                state["accountant_history"] = [list(entry) for entry in self.auditor.accountant.history]
+        elif self._pending_state is not None:
+            state["auditor"] = self._pending_state.get("auditor")
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._pending_state = dict(state_dict)
+        if self.auditor is not None:
+            self._restore(self._pending_state)
+            self._pending_state = None
+
+    def _restore(self, state: dict) -> None:
+        self.history = list(state.get("history", []))
+        self.alerted = bool(state.get("alerted", False))
+        if state.get("auditor") is not None:
+            self.auditor.load_state_dict(_from_checkpoint(state["auditor"]))
+        accountant = self.auditor.accountant
+        if accountant is not None and not accountant.history and state.get("accountant_history"):
+            # Opacus accountants are not part of Lightning checkpoints; without this the
+            # resumed run would account only for the steps after the resume.
+            accountant.history = [tuple(entry) for entry in state["accountant_history"]]
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _find_dp_optimizer(optimizers):
+    from opacus.optimizers import DPOptimizer
+
+    found = [opt for opt in optimizers if isinstance(opt, DPOptimizer)]
+    if not found:
+        names = ", ".join(type(o).__name__ for o in optimizers) or "none"
+        raise RuntimeError(
+            "DPAuditCallback looked for an Opacus DPOptimizer among trainer.optimizers and found "
+            f"{names}. Call PrivacyEngine.make_private(...) in configure_optimizers (or before building the "
+            "Trainer) and return its optimizer, or pass DPAuditCallback(optimizer=...)."
+        )
+    if len(found) > 1:
+        raise RuntimeError(
+            f"DPAuditCallback found {len(found)} DP optimizers; pass the one to audit as DPAuditCallback(optimizer=...)"
+        )
+    return found[0]
+
+
+def _module_accountant(pl_module):
+    engine = getattr(pl_module, "privacy_engine", None)
+    return getattr(engine, "accountant", None)
+
+
+def _check_accountant(accountant, optimizer) -> None:
+    if accountant is None or not accountant.history:
+        return
+    last_sigma = accountant.history[-1][0]
+    if not math.isclose(last_sigma, optimizer.noise_multiplier, rel_tol=1e-9):
+        raise ValueError(
+            f"the accountant's history ends with noise multiplier {last_sigma}, but the optimizer uses "
+            f"{optimizer.noise_multiplier}: pass the accountant of this optimizer's PrivacyEngine"
+        )
+
+
+def _log_dir(trainer) -> str:
+    for logger in trainer.loggers:
+        if getattr(logger, "log_dir", None):
+            return logger.log_dir
+    return trainer.default_root_dir
+
+
+def _alert_message(r: AuditResult) -> str:
+    layers = ", ".join(r.violating_layers)
+    return (
+        f"DP audit violation at step {r.first_violation_step}: per-step mu lower bound {r.mu_lower_bound_anytime:.3f} "
+        f"(anytime, {r.confidence:.0%}) exceeds the claimed {r.mu_claimed:.3f}; empirical epsilon >= "
+        f"{r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} (delta={r.delta:g}); violating: {layers}"
+    )
+
+
+def _plain(options: dict) -> dict:
+    return {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v) for k, v in options.items()}
+
+
+def _versions() -> dict:
+    import opacus
+
+    from . import __version__
+
+    return {"lightning_dpaudit": __version__, "torch": torch.__version__, "opacus": opacus.__version__, "pytorch_lightning": pl.__version__}
+
+
+def _to_checkpoint(value):
+    """numpy arrays as torch tensors, so the state loads with torch.load(weights_only=True)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return [_to_checkpoint(v) for v in value]
+        return {"__ndarray__": torch.from_numpy(np.ascontiguousarray(value)), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {k: _to_checkpoint(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_checkpoint(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _from_checkpoint(value):
+    if isinstance(value, dict) and "__ndarray__" in value:
+        return value["__ndarray__"].numpy().astype(value["dtype"])
+    if isinstance(value, dict):
+        return {k: _from_checkpoint(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_checkpoint(v) for v in value]
+    return value

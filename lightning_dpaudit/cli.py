@@ -1,0 +1,84 @@
+"""The `dpaudit` command: `dpaudit demo` trains and audits; `dpaudit report DIR` summarizes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _demo(args) -> int:
+    from .bugs import BUGS
+
+    if args.list_bugs:
+        for name, description in BUGS.items():
+            print(f"{name:24s} {description}")
+        return 0
+    if args.bug and args.bug not in BUGS:
+        print(f"unknown bug {args.bug!r}; `dpaudit demo --list-bugs` lists: {', '.join(BUGS)}", file=sys.stderr)
+        return 2
+    from .demo import run_demo
+
+    start = time.perf_counter()
+    trainer, callback = run_demo(
+        steps=args.steps,
+        noise_multiplier=args.noise_multiplier,
+        canary=args.canary,
+        bug=args.bug,
+        audit=not args.no_audit,
+        out=args.out,
+        seed=args.seed,
+        progress_bar=not args.no_progress_bar,
+    )
+    seconds = time.perf_counter() - start
+    log_dir = trainer.logger.log_dir
+    print(f"\ntrained {trainer.global_step} steps in {seconds:.1f} s; logs in {log_dir}")
+    if callback is not None:
+        print(f"see the curves:  .venv/bin/tensorboard --logdir {Path(args.out).resolve()}  (then open http://localhost:6006)")
+        print(f"summary again:   .venv/bin/dpaudit report {log_dir}")
+        if callback.alerted:
+            print("the audit found a leak: see the warning above and the report")
+    return 0
+
+
+def _report(args) -> int:
+    from .report import load_report, summary_table
+
+    directory = Path(args.directory)
+    candidates = [directory] + sorted(p.parent for p in directory.rglob("audit_report.json"))
+    for candidate in candidates:
+        if (candidate / "audit_report.json").exists():
+            print(summary_table(load_report(candidate)))
+            return 0
+    print(f"no audit_report.json in {directory} or below it", file=sys.stderr)
+    return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpaudit", description="Audit differentially private training while it runs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train a small CNN on the bundled digits with Opacus and audit it")
+    demo.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    demo.add_argument("--noise-multiplier", type=float, default=1.0, help="Opacus noise multiplier (default 1.0)")
+    demo.add_argument("--canary", default="dirac", choices=["dirac", "constant", "random"])
+    demo.add_argument("--bug", default=None, help="swap in a broken optimizer from the bug zoo (see --list-bugs)")
+    demo.add_argument("--list-bugs", action="store_true", help="list the bug zoo and exit")
+    demo.add_argument("--no-audit", action="store_true", help="train identically without the audit (baseline)")
+    demo.add_argument("--out", default="dpaudit_runs", help="where TensorBoard logs and the report go")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress-bar", action="store_true")
+    demo.set_defaults(run=_demo)
+    report = commands.add_parser("report", help="print the summary of a finished audit")
+    report.add_argument("directory", help="a run's log directory (or a folder above it)")
+    report.set_defaults(run=_report)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The demo: a LightningModule on scikit-learn's digits, private with Opacus, audited.
+
+The module follows Opacus's Lightning pattern (a PrivacyEngine on the module, make_private
+inside configure_optimizers) in the form that runs on current Lightning: the training
+data loader comes from the datamodule, not from Trainer internals.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import pytorch_lightning as pl
+import torch
+from opacus import PrivacyEngine
+from opacus.data_loader import DPDataLoader
+from opacus.lightning import DPLightningDataModule
+from torch.utils.data import DataLoader, random_split
+
+from .digits import DigitsCNN, digits_dataset
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """scikit-learn's 1,797 digits: 1,500 for training, the rest for validation."""
+
+    def __init__(self, batch_size: int = 64, seed: int = 0):
+        super().__init__()
+        self.batch_size, self.seed = batch_size, seed
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        full = digits_dataset()
+        self.train_set, self.val_set = random_split(full, [1500, len(full) - 1500], torch.Generator().manual_seed(self.seed))
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=256)
+
+
+class PrivateDigitsModule(pl.LightningModule):
+    """DigitsCNN trained with DP-SGD; `bug` swaps in a bug-zoo optimizer for the demo."""
+
+    def __init__(self, *, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, lr: float = 0.5, bug: Optional[str] = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = DigitsCNN()
+        self.privacy_engine = PrivacyEngine()
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = self.loss(self(images), labels)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        images, labels = batch
+        self.log("val_acc", (self(images).argmax(-1) == labels).float().mean(), prog_bar=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        data_loader = self.trainer.datamodule.train_dataloader()
+        _, optimizer, _ = self.privacy_engine.make_private(
+            module=self,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            noise_multiplier=self.hparams.noise_multiplier,
+            max_grad_norm=self.hparams.max_grad_norm,
+            poisson_sampling=isinstance(data_loader, DPDataLoader),
+        )
+        if self.hparams.bug:
+            from .bugs import inject_bug
+
+            inject_bug(optimizer, self.hparams.bug)
+        return optimizer
+
+
+def run_demo(
+    *,
+    steps: int = 1000,
+    noise_multiplier: float = 1.0,
+    canary: str = "dirac",
+    bug: Optional[str] = None,
+    audit: bool = True,
+    out: str = "dpaudit_runs",
+    seed: int = 0,
+    progress_bar: bool = True,
+    alert="warn",
+    log_every_n_steps: int = 25,
+):
+    """Train the private digits model for `steps` optimizer steps; returns (trainer, callback or None)."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from .callback import DPAuditCallback
+
+    pl.seed_everything(seed, verbose=False)
+    datamodule = DPLightningDataModule(DigitsDataModule(seed=seed), generator=torch.Generator().manual_seed(seed))
+    module = PrivateDigitsModule(noise_multiplier=noise_multiplier, bug=bug)
+    callback = DPAuditCallback(alert=alert, canary=canary, seed=seed, log_every_n_steps=log_every_n_steps) if audit else None
+    logger = TensorBoardLogger(str(Path(out)), name="demo")
+    trainer = pl.Trainer(
+        max_steps=steps,
+        logger=logger,
+        callbacks=[callback] if callback else [],
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=progress_bar,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=log_every_n_steps,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=5,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+        warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        trainer.fit(module, datamodule=datamodule)
+    return trainer, callback

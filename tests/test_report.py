@@ -1,0 +1,244 @@
+"""Tests for lightning_dpaudit.report: figures, JSON/PNG record, terminal summary."""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from scipy.stats import norm
+
+from lightning_dpaudit.report import (
+    curves_figure,
+    load_report,
+    report_figure,
+    summary_table,
+    tradeoff_figure,
+    write_report,
+)
+from lightning_dpaudit.results import AuditResult, LayerAudit
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LAYER_NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+
+
+def fake_result() -> AuditResult:
+    layers = tuple(
+        LayerAudit(
+            name=name,
+            mu_lower_bound=1.62 if name == "fc2.weight" else 0.91,
+            mu_lower_bound_anytime=1.41 if name == "fc2.weight" else 0.80,
+            mu_claimed=1.0,
+            n_in=250,
+            n_out=250,
+            violation=name == "fc2.weight",
+        )
+        for name in LAYER_NAMES
+    )
+    return AuditResult(
+        epsilon_lower_bound=7.25,
+        epsilon_accountant=float("nan"),
+        mu_lower_bound=1.234,
+        mu_lower_bound_anytime=1.1,
+        mu_claimed=1.0,
+        violation=True,
+        violating_layers=("fc2.weight",),
+        n_in=1000,
+        n_out=1000,
+        steps=50,
+        estimator="gdp-cp",
+        confidence=0.95,
+        delta=1e-5,
+        epsilon_step_lower_bound=float("inf"),
+        epsilon_step_claimed=4.38,
+        first_violation_step=37,
+        noise_repeats=0,
+        mode="one-run",
+        canary="dirac",
+        layers=layers,
+    )
+
+
+def observations(s: float, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(1.0, s, n), rng.normal(0.0, s, n)
+
+
+def history():
+    return [
+        {"step": float(k), "eps_lower_bound": 0.5 * k if k > 1 else float("nan"), "eps_accountant": 1.0 + 0.1 * k}
+        for k in range(1, 11)
+    ]
+
+
+def strict_loads(text: str):
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def empirical_line(ax):
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("empirical")]
+    return np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+
+
+def claimed_fnr(fpr, mu):
+    return norm.cdf(norm.ppf(1 - np.asarray(fpr)) - mu)
+
+
+def test_write_report_creates_strict_json_and_png(tmp_path):
+    ins, outs = observations(1.0, 2000)
+    result = fake_result()
+    target = tmp_path / "nested" / "audit"
+    json_path, png_path = write_report(
+        target,
+        result,
+        settings={"noise_multiplier": 1.0, "sample_rate": np.float64(0.01), "layers": ("a", "b")},
+        versions={"torch": "2.13.0", "lightning_dpaudit": "0.1.0"},
+        history=history(),
+        in_values=ins,
+        out_values=outs,
+    )
+    assert json_path == target / "audit_report.json" and json_path.is_file()
+    assert png_path == target / "audit_report.png" and png_path.is_file()
+
+    data = strict_loads(json_path.read_text())
+    assert set(data) == {"result", "settings", "versions", "history"}
+    r = data["result"]
+    assert r["epsilon_accountant"] is None
+    assert r["epsilon_step_lower_bound"] == "inf"
+    assert r["epsilon_lower_bound"] == pytest.approx(7.25)
+    assert r["violating_layers"] == ["fc2.weight"]
+    assert [layer["name"] for layer in r["layers"]] == list(LAYER_NAMES)
+    assert [layer["violation"] for layer in r["layers"]] == [False, False, True, False]
+    assert data["settings"] == {"noise_multiplier": 1.0, "sample_rate": 0.01, "layers": ["a", "b"]}
+    assert data["history"][0]["eps_lower_bound"] is None
+    assert data["history"][-1] == {"step": 10.0, "eps_lower_bound": 5.0, "eps_accountant": 2.0}
+
+    loaded = load_report(target)
+    assert loaded == data
+    assert loaded["result"]["first_violation_step"] == 37
+    assert loaded["result"]["n_in"] == 1000 and loaded["result"]["steps"] == 50
+    assert loaded["versions"]["torch"] == "2.13.0"
+
+
+def test_png_is_valid_and_reasonably_sized(tmp_path):
+    import matplotlib.image as mpimg
+
+    ins, outs = observations(1.0, 2000)
+    _, png_path = write_report(
+        tmp_path, fake_result(), settings={}, versions={}, history=history(), in_values=ins, out_values=outs
+    )
+    raw = png_path.read_bytes()
+    assert raw[:8] == PNG_MAGIC
+    assert 10_000 < len(raw) < 2_000_000
+    img = mpimg.imread(png_path)
+    height, width = img.shape[:2]
+    assert 800 <= width <= 2000 and 400 <= height <= 1200
+    assert width > height  # two panels side by side
+
+
+def test_tradeoff_shows_leak_below_claimed_curve():
+    ins, outs = observations(0.5, 5000, seed=1)  # true mu 2, claimed mu 1
+    fig = tradeoff_figure(ins, outs, mu_claimed=1.0, mu_lower=1.8)
+    ax = fig.axes[0]
+    fpr, fnr = empirical_line(ax)
+    assert len(fpr) <= 2002
+    gap = claimed_fnr(fpr, 1.0) - fnr
+    assert gap.max() > 0.1
+    labels = [ln.get_label() for ln in ax.get_lines()]
+    assert any("claimed" in lab for lab in labels) and any("lower" in lab for lab in labels)
+    assert ax.get_title() == "Trade-off: empirical vs claimed"
+
+
+def test_tradeoff_matches_claim_for_correct_mechanism():
+    ins, outs = observations(1.0, 20_000, seed=2)
+    fig = tradeoff_figure(ins, outs, mu_claimed=1.0)
+    ax = fig.axes[0]
+    fpr, fnr = empirical_line(ax)
+    assert len(fpr) <= 2002
+    assert np.all(np.diff(fpr) >= 0)
+    assert (fpr[0], fnr[0]) == (0.0, 1.0) and (fpr[-1], fnr[-1]) == (1.0, 0.0)
+    grid = np.linspace(0.1, 0.9, 81)
+    empirical = np.interp(grid, fpr, fnr)
+    assert np.max(np.abs(empirical - claimed_fnr(grid, 1.0))) < 0.03
+    assert ax.get_xlim() == (0.0, 1.0) and ax.get_ylim() == (0.0, 1.0)
+    assert ax.get_aspect() == 1.0
+    assert not any("lower" in ln.get_label() for ln in ax.get_lines())
+
+
+def test_tradeoff_draws_on_given_axes():
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    ins, outs = observations(1.0, 500)
+    assert tradeoff_figure(ins, outs, mu_claimed=1.0, ax=ax) is fig
+    assert any(ln.get_label().startswith("empirical") for ln in ax.get_lines())
+
+
+def test_curves_and_report_figures():
+    fig = curves_figure(history())
+    ax = fig.axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert set(lines) == {"empirical lower bound", "accountant"}
+    np.testing.assert_allclose(lines["accountant"].get_xdata(), np.arange(1, 11))
+    assert math.isnan(lines["empirical lower bound"].get_ydata()[0])
+    assert lines["empirical lower bound"].get_ydata()[-1] == 5.0
+    assert ax.get_xlabel() == "optimizer step"
+
+    ins, outs = observations(1.0, 500)
+    both = report_figure(ins, outs, history(), mu_claimed=1.0, mu_lower=0.9)
+    assert len(both.axes) == 2
+    assert both.axes[0].get_title().startswith("Trade-off")
+
+
+def test_summary_table_from_loaded_report(tmp_path):
+    ins, outs = observations(1.0, 500)
+    write_report(tmp_path, fake_result(), settings={}, versions={}, history=history(), in_values=ins, out_values=outs)
+    text = summary_table(load_report(tmp_path))
+    lines = text.splitlines()
+    assert lines[0].startswith("VIOLATION:") and "fc2.weight" in lines[0] and "step 37" in lines[0]
+    assert 12 <= len(lines) <= 25
+    for name in LAYER_NAMES:
+        assert name in text
+    for number in ("7.25", "1.234", "1.000", "1000", "1.620", "0.910", "4.38", "gdp-cp", "95%", "1e-05"):
+        assert number in text
+    assert "n/a" in text  # the nan accountant epsilon
+    (fc2,) = [ln for ln in lines if ln.strip().startswith("fc2.weight")]
+    assert fc2.rstrip().endswith("VIOLATION")
+    (fc1,) = [ln for ln in lines if ln.strip().startswith("fc1.weight")]
+    assert "VIOLATION" not in fc1
+
+
+def test_summary_table_ok_from_result_dict():
+    import dataclasses
+
+    ok = dataclasses.replace(
+        fake_result(),
+        violation=False,
+        violating_layers=(),
+        first_violation_step=None,
+        epsilon_accountant=8.0,
+        layers=tuple(dataclasses.replace(layer, violation=False) for layer in fake_result().layers),
+    )
+    text = summary_table({"result": ok.to_dict()})
+    assert text.splitlines()[0] == "OK: no leak beyond the claim detected"
+    assert "VIOLATION" not in text and "8.00" in text
+
+
+def test_load_report_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="audit_report.json"):
+        load_report(tmp_path)
+
+
+def test_report_module_avoids_torch_and_pyplot():
+    import subprocess
+
+    code = (
+        "import sys, lightning_dpaudit.report as r; "
+        "import numpy as np; r.tradeoff_figure(np.ones(3), np.zeros(3), mu_claimed=1.0); "
+        "assert 'torch' not in sys.modules and 'matplotlib.pyplot' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
