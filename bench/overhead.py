@@ -15,24 +15,15 @@ import numpy as np
 import torch
 
 from lightning_dpaudit.auditor import PrivacyAuditor
-from lightning_dpaudit.digits import make_private_digits
+from lightning_dpaudit.digits import make_private_digits, train_steps
 
 
 def timed_training(*, steps, batch_size, mode, canaries):
     model, optimizer, loader, _ = make_private_digits(batch_size=batch_size, seed=0)
     if mode is not None:
         PrivacyAuditor(optimizer, mode=mode, canaries_per_step=canaries, seed=0)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    done = 0
     start = time.perf_counter()
-    while done < steps:
-        for images, labels in loader:
-            optimizer.zero_grad()
-            loss_fn(model(images), labels).backward()
-            optimizer.step()
-            done += 1
-            if done >= steps:
-                break
+    train_steps(model, optimizer, loader, steps)
     return time.perf_counter() - start
 
 

@@ -30,7 +30,7 @@ from .monitor import POOLED, AnytimeMonitor
 from .noise_memory import NoiseMemory
 from .observations import ObservationLog
 from .probe import GradientProbe
-from .results import AuditResult, LayerAudit
+from .results import AuditResult, LayerAudit, violation_message
 
 MODES = ("one-run", "paired")
 
@@ -217,7 +217,7 @@ class PrivacyAuditor:
             if self.on_violation is not None:
                 self.on_violation(result)
             else:
-                warnings.warn(_violation_message(result), PrivacyViolationWarning, stacklevel=3)
+                warnings.warn(violation_message(result), PrivacyViolationWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ results
 
@@ -313,13 +313,3 @@ def _layer_names(params, module) -> list:
     if module is not None:
         names = {id(p): n.removeprefix("_module.") for n, p in module.named_parameters()}
     return [names.get(id(p), f"param{i}{tuple(p.shape)}") for i, p in enumerate(params)]
-
-
-def _violation_message(r: AuditResult) -> str:
-    where = ", ".join(r.violating_layers)
-    return (
-        f"DP audit: the optimizer leaks more than it claims. Per-step mu lower bound (anytime, "
-        f"{r.confidence:.0%}) {r.mu_lower_bound_anytime:.3f} vs claimed {r.mu_claimed:.3f}; "
-        f"empirical epsilon >= {r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} "
-        f"at delta={r.delta:g}; violating: {where}; first at step {r.first_violation_step}"
-    )

@@ -22,7 +22,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from .auditor import PrivacyAuditor
-from .results import AuditResult
+from .results import AuditResult, violation_message
 
 log = logging.getLogger(__name__)
 ALERTS = ("warn", "raise", "stop")
@@ -117,7 +117,7 @@ class DPAuditCallback(Callback):
         if self.alerted:
             return
         self.alerted = True
-        message = _alert_message(result)
+        message = violation_message(result)
         if callable(self.alert):
             self.alert(result)
         elif self.alert == "warn":
@@ -273,15 +273,6 @@ def _log_dir(trainer) -> str:
         if getattr(logger, "log_dir", None):
             return logger.log_dir
     return trainer.default_root_dir
-
-
-def _alert_message(r: AuditResult) -> str:
-    layers = ", ".join(r.violating_layers)
-    return (
-        f"DP audit violation at step {r.first_violation_step}: per-step mu lower bound {r.mu_lower_bound_anytime:.3f} "
-        f"(anytime, {r.confidence:.0%}) exceeds the claimed {r.mu_claimed:.3f}; empirical epsilon >= "
-        f"{r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} (delta={r.delta:g}); violating: {layers}"
-    )
 
 
 def _plain(options: dict) -> dict:

@@ -11,7 +11,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["DigitsCNN", "digits_dataset", "make_private_digits"]
+__all__ = ["DigitsCNN", "digits_dataset", "make_private_digits", "train_steps"]
 
 
 def digits_dataset(*, dtype: torch.dtype = torch.float32) -> TensorDataset:
@@ -104,3 +104,21 @@ def make_private_digits(
         noise_generator=torch.Generator().manual_seed(seed + 1),
     )
     return model, optimizer, data_loader, privacy_engine
+
+
+def train_steps(model, optimizer, data_loader, steps: int, *, loss_fn=None, stop=None) -> int:
+    """Run `steps` optimizer steps over the loader (cycling epochs); returns steps done.
+
+    stop() is checked after every step and ends training early when it returns True.
+    """
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    done = 0
+    while done < steps:
+        for images, labels in data_loader:
+            optimizer.zero_grad()
+            loss_fn(model(images), labels).backward()
+            optimizer.step()
+            done += 1
+            if done >= steps or (stop is not None and stop()):
+                return done
+    return done

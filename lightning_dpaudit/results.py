@@ -68,3 +68,13 @@ class AuditResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def violation_message(r: AuditResult) -> str:
+    """One line for an alert: the numbers that show the leak and where it is."""
+    return (
+        f"DP audit violation at step {r.first_violation_step}: per-step mu lower bound {r.mu_lower_bound_anytime:.3f} "
+        f"(anytime, {r.confidence:.0%}) exceeds the claimed {r.mu_claimed:.3f}; empirical epsilon >= "
+        f"{r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} (delta={r.delta:g}); "
+        f"violating: {', '.join(r.violating_layers)}"
+    )

@@ -19,7 +19,7 @@ import torch
 
 from .auditor import PrivacyAuditor
 from .bugs import BUGS, inject_bug, list_bugs
-from .digits import make_private_digits
+from .digits import make_private_digits, train_steps
 from .results import AuditResult
 
 __all__ = ["BUGS", "PrivacyAuditFailure", "audit_optimizer", "inject_bug", "list_bugs", "train_audited"]
@@ -64,20 +64,13 @@ def train_audited(
     violated = []
     auditor_options.setdefault("seed", seed)
     auditor = PrivacyAuditor(optimizer, module=model, on_violation=violated.append, **auditor_options)
-    loss_fn = torch.nn.CrossEntropyLoss(reduction=loss_reduction)
-    done = 0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook.*")
-        while done < steps:
-            for images, labels in loader:
-                optimizer.zero_grad()
-                loss_fn(model(images), labels).backward()
-                optimizer.step()
-                done += 1
-                if done >= steps or (stop_on_violation and violated):
-                    break
-            if stop_on_violation and violated:
-                break
+        train_steps(
+            model, optimizer, loader, steps,
+            loss_fn=torch.nn.CrossEntropyLoss(reduction=loss_reduction),
+            stop=(lambda: bool(violated)) if stop_on_violation else None,
+        )
     result = auditor.result()
     auditor.detach()
     return (result, auditor.observations()) if return_observations else result
