@@ -100,6 +100,8 @@ class CanarySampler:
         self._pool_local = np.concatenate(self.pool)
         self.quota = allocate(pool_quota // self.support, self.per_step)
         self._static = None
+        self._order = [np.zeros(0, dtype=int) for _ in self.pool]  # per tensor: pool positions still to visit
+        self._layout = np.repeat(np.arange(len(self.quota)), self.quota)
 
     @property
     def pool_size(self) -> int:
@@ -123,18 +125,22 @@ class CanarySampler:
         return StepCanaries(tensor, self._pool_local[positions], positions, self._weights(k), is_in)
 
     def _place(self):
-        """(tensor of each canary, its pool positions): distinct positions within each tensor."""
-        keys = self.rng.random(self.pool_size)
-        tensors, positions = [], []
+        """(tensor of each canary, its pool positions), distinct within each tensor.
+
+        Each tensor walks through a random permutation of its pool, reshuffled when used
+        up, so moving canaries visit every pool coordinate before revisiting one.
+        """
+        positions = []
         for t, q in enumerate(self.quota):
-            if q == 0:
-                continue
-            lo, hi = self.pool_offsets[t], self.pool_offsets[t + 1]
             take = q * self.support
-            chosen = np.argpartition(keys[lo:hi], take - 1)[:take] if take < hi - lo else np.arange(hi - lo)
-            tensors.append(np.full(q, t))
-            positions.append((chosen + lo).reshape(q, self.support))
-        return np.concatenate(tensors), np.concatenate(positions)
+            if take == 0:
+                continue
+            if len(self._order[t]) < take:
+                lo, hi = self.pool_offsets[t], self.pool_offsets[t + 1]
+                self._order[t] = lo + self.rng.permutation(hi - lo)
+            positions.append(self._order[t][:take].reshape(q, self.support))
+            self._order[t] = self._order[t][take:]
+        return self._layout, np.concatenate(positions)
 
     def _weights(self, k: int) -> np.ndarray:
         if self.kind == "random":
@@ -144,7 +150,12 @@ class CanarySampler:
         return w / np.linalg.norm(w, axis=1, keepdims=True)
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.bit_generator.state, "static": self._static, "pool": [p.copy() for p in self.pool]}
+        return {
+            "rng": self.rng.bit_generator.state,
+            "static": self._static,
+            "pool": [p.copy() for p in self.pool],
+            "order": [o.copy() for o in self._order],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["rng"]
@@ -152,3 +163,5 @@ class CanarySampler:
         if "pool" in state:
             self.pool = [np.asarray(p) for p in state["pool"]]
             self._pool_local = np.concatenate(self.pool)
+        if "order" in state:
+            self._order = [np.asarray(o, dtype=int) for o in state["order"]]

@@ -22,7 +22,7 @@ import numpy as np
 
 
 class NoiseMemory:
-    def __init__(self, pool_size: int, *, capacity: int = 1024, probes: int = 256, min_correlation: float = 0.5):
+    def __init__(self, pool_size: int, *, capacity: int = 512, probes: int = 256, min_correlation: float = 0.5):
         self.capacity = int(capacity)
         self.min_correlation = float(min_correlation)
         self.probes = np.linspace(0, pool_size - 1, min(probes, pool_size)).astype(int)
@@ -38,7 +38,9 @@ class NoiseMemory:
         if stored == 0:
             return np.zeros_like(noise)
         current = noise[self.probes].astype(np.float32)
-        busy = np.isin(self.probes, canary_positions)  # sentinels that carry a canary now
+        carrying = np.zeros(noise.shape[0], dtype=bool)
+        carrying[canary_positions.ravel()] = True
+        busy = carrying[self.probes]  # sentinels that carry a canary now
         current[busy] = 0.0
         history = self.sentinels[:stored]
         dots = history @ current
