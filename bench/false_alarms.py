@@ -38,6 +38,11 @@ def _naive_alarm(obs: dict, claimed: float) -> bool:
 
 def _run(args):
     seed, steps, sigma = args
+    import torch
+    import warnings
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
     result, obs = train_audited(steps=steps, noise_multiplier=sigma, seed=10_000 + seed, return_observations=True)
     return result.violation, _naive_alarm(obs, result.mu_claimed)
 

@@ -238,3 +238,26 @@ def test_per_layer_optimizer_type_is_recognised():
     assert isinstance(opt, DPPerLayerOptimizer)
     auditor = PrivacyAuditor(opt, seed=0)
     assert np.allclose(auditor.probe.clip_bounds, opt.max_grad_norms)
+
+
+# ------------------------------------------------------------------ canary kinds
+
+
+@pytest.mark.parametrize("canary", ["dirac", "constant", "random"])
+@pytest.mark.parametrize("moving", [True, False])
+def test_canary_kinds_observe_unit_shift_and_catch_missing_noise(canary, moving):
+    result, obs = train_audited(steps=80, canary=canary, moving=moving, noise_multiplier=1.0, return_observations=True)
+    ins, outs = obs["value"][obs["is_in"]], obs["value"][~obs["is_in"]]
+    # normalized: out ~ N(0, 1), in ~ N(1, 1); 5,120 each, so the means are within 0.1 (> 7 sd)
+    assert abs(outs.mean()) < 0.1 and abs(ins.mean() - 1.0) < 0.1
+    assert abs(outs.std() - 1.0) < 0.1
+    assert not result.violation
+    broken = train_audited(steps=40, canary=canary, moving=moving, transform=lambda o: _inject(o, "no-noise"))
+    assert broken.violation
+
+
+def test_canary_scale_above_the_bound_exposes_missing_clipping():
+    # with canaries at exactly the clipping bound, an optimizer that does not clip looks correct
+    at_bound = train_audited(steps=150, canary_scale=1.0, transform=lambda o: _inject(o, "no-clipping"))
+    above = train_audited(steps=150, canary_scale=2.0, transform=lambda o: _inject(o, "no-clipping"))
+    assert not at_bound.violation and above.violation

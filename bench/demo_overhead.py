@@ -1,0 +1,46 @@
+"""Overhead of the audit in `dpaudit demo`: the same command with and without --no-audit.
+
+Runs `dpaudit demo --steps N` and `dpaudit demo --steps N --no-audit` alternately, each
+in a fresh process, and reports the ratio of the median wall times (whole command:
+start-up, training, logging, report).
+
+    .venv/bin/python bench/demo_overhead.py [--steps 1000] [--rounds 3]
+"""
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def timed(args, out):
+    command = [sys.executable, "-m", "lightning_dpaudit.cli", "demo", "--no-progress-bar", "--out", out, *args]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    times = {"audit": [], "no audit": []}
+    with tempfile.TemporaryDirectory() as out:
+        for _ in range(args.rounds):
+            times["no audit"].append(timed(["--steps", str(args.steps), "--no-audit"], str(Path(out) / "a")))
+            times["audit"].append(timed(["--steps", str(args.steps)], str(Path(out) / "b")))
+    base, audited = np.median(times["no audit"]), np.median(times["audit"])
+    print(f"dpaudit demo --steps {args.steps}, {args.rounds} rounds alternating")
+    print("| run | median seconds | ratio |")
+    print("| --- | --- | --- |")
+    print(f"| --no-audit | {base:.1f} | 1.00 |")
+    print(f"| audited (default) | {audited:.1f} | {audited / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
