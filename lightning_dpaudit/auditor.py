@@ -58,9 +58,7 @@ def _check_optimizer(optimizer):
             "returned by `PrivacyEngine.make_private(...)`"
         )
     name = type(optimizer).__name__
-    if "FastGradientClipping" in type(optimizer).__mro__[0].__name__ or any(
-        "FastGradientClipping" in c.__name__ for c in type(optimizer).__mro__
-    ):
+    if any("FastGradientClipping" in c.__name__ for c in type(optimizer).__mro__):
         raise TypeError(
             f"{name} uses fast (ghost) gradient clipping: per-sample gradients never exist, so gradient canaries "
             "cannot enter its clipping. Use grad_sample_mode='hooks' (the default) for an audited run."
@@ -107,6 +105,11 @@ class PrivacyAuditor:
         on_violation: Optional[Callable[[AuditResult], None]] = None,
     ):
         _check_optimizer(optimizer)
+        if estimator == "katz":
+            raise ValueError(
+                "estimator 'katz' bounds pure epsilon-DP, which no Gaussian mechanism has; use gdp-cp, gdp-bayes, "
+                "epsdelta-cp or epsdelta-bayes"
+            )
         est.epsilon_lower_bound([], [], delta=delta, method=estimator, confidence=confidence)  # validates all three
         if delta <= 0:
             raise ValueError(f"Unexpected value for `delta`: {delta}; the audit compares GDP curves, which need delta > 0")

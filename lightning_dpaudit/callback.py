@@ -85,6 +85,20 @@ class DPAuditCallback(Callback):
         if self._pending_state is not None:
             self._restore(self._pending_state)
             self._pending_state = None
+        self._add_chart_layout(trainer)
+
+    @rank_zero_only
+    def _add_chart_layout(self, trainer) -> None:
+        """TensorBoard's Custom Scalars tab: both epsilons on one chart, both mus on another."""
+        layout = {
+            "dpaudit": {
+                "epsilon: empirical lower bound vs accountant": ["Multiline", ["dpaudit/eps_lower_bound", "dpaudit/eps_accountant"]],
+                "per-step mu: lower bound vs claimed": ["Multiline", ["dpaudit/mu_lower_bound", "dpaudit/mu_claimed"]],
+            }
+        }
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_custom_scalars(layout)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.auditor is not None and stage == "fit":

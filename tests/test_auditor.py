@@ -219,6 +219,7 @@ def test_errors_name_the_problem():
         ({"canary": "laser"}, "valid kinds are dirac, constant, random"),
         ({"mode": "twice"}, "valid modes are one-run, paired"),
         ({"estimator": "guess"}, "valid methods"),
+        ({"estimator": "katz"}, "pure epsilon-DP"),
         ({"canaries_per_step": 1}, "canaries_per_step"),
         ({"canaries_per_step": 10**6}, "the optimizer has 9802 parameters"),
     ]:
