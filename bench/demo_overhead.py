@@ -4,7 +4,7 @@ Runs `dpaudit demo --steps N` and `dpaudit demo --steps N --no-audit` alternatel
 in a fresh process, and reports the ratio of the median wall times (whole command:
 start-up, training, logging, report).
 
-    .venv/bin/python bench/demo_overhead.py [--steps 1000] [--rounds 3]
+    .venv/bin/python bench/demo_overhead.py [--steps 600] [--rounds 3]
 """
 
 import argparse
@@ -26,7 +26,7 @@ def timed(args, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     times = {"audit": [], "no audit": []}

@@ -228,30 +228,35 @@ class PrivacyAuditor:
         """All observations so far: numpy arrays step, layer, kind, is_in, value."""
         return self.log.arrays()
 
-    def result(self) -> AuditResult:
-        """The audit so far (see AuditResult for what each number means)."""
-        ins, outs = self.log.scores()
-        mu_step = self._mu_lower(ins, outs)
+    def result(self, *, accounting: bool = True) -> AuditResult:
+        """The audit so far (see AuditResult for what each number means).
+
+        accounting=False skips the accountant's epsilon and the end-to-end conversion
+        (both nan), the costly part with a PRV accountant, for frequent live views.
+        """
+        counts = self.monitor.group_counts()
+        mu_step = self._mu_lower(counts[POOLED])
         anytime = self.monitor.refresh_bounds()
         layers = []
         for i, name in enumerate(self.layer_names):
-            l_in, l_out = self.log.scores(layer=i)
+            tp, fn, fp, tn = counts[i]
             layers.append(
                 LayerAudit(
                     name=name,
-                    mu_lower_bound=self._mu_lower(l_in, l_out),
+                    mu_lower_bound=self._mu_lower(counts[i]),
                     mu_lower_bound_anytime=float(anytime.get(i, 0.0)),
                     mu_claimed=float(self.monitor.claims[i]),
-                    n_in=len(l_in),
-                    n_out=len(l_out),
+                    n_in=int(tp + fn),
+                    n_out=int(fp + tn),
                     violation=i in self.monitor.first_violation,
                 )
             )
+        tp, fn, fp, tn = counts[POOLED]
         violating = tuple(
             "pooled" if g == POOLED else self.layer_names[g] for g in sorted(self.monitor.first_violation)
         )
         first = min(self.monitor.first_violation.values()) if self.monitor.first_violation else None
-        eps_accountant, eps_lower = self._end_to_end(mu_step)
+        eps_accountant, eps_lower = self._end_to_end(mu_step) if accounting else (math.nan, math.nan)
         return AuditResult(
             epsilon_lower_bound=eps_lower,
             epsilon_accountant=eps_accountant,
@@ -260,8 +265,8 @@ class PrivacyAuditor:
             mu_claimed=self.mu_claimed,
             violation=bool(violating),
             violating_layers=violating,
-            n_in=len(ins),
-            n_out=len(outs),
+            n_in=int(tp + fn),
+            n_out=int(fp + tn),
             steps=self.steps,
             estimator=self.estimator,
             confidence=self.confidence,
@@ -275,8 +280,11 @@ class PrivacyAuditor:
             layers=tuple(layers),
         )
 
-    def _mu_lower(self, ins, outs) -> float:
-        e = est.epsilon_lower_bound(ins, outs, delta=self.delta, method=self.estimator, confidence=self.confidence)
+    def _mu_lower(self, counts) -> float:
+        """Fixed-sample mu lower bound from the threshold-0.5 attack's counts (tp, fn, fp, tn)."""
+        if self.estimator.startswith("gdp"):
+            return est.mu_from_counts(*(int(c) for c in counts), method=self.estimator, confidence=self.confidence)
+        e = est.epsilon_from_counts(*(int(c) for c in counts), delta=self.delta, method=self.estimator, confidence=self.confidence)
         if e.mu is not None:
             return float(e.mu)
         return est.epsilon_to_mu(e.epsilon, self.delta) if e.epsilon > 0 else 0.0

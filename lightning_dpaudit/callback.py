@@ -22,6 +22,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from .auditor import PrivacyAuditor
+from .budget import TimeBudget
 from .results import AuditResult, violation_message
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ class DPAuditCallback(Callback):
 
     alert: "warn" (one warning), "raise" (PrivacyViolationError), "stop" (end training
     cleanly) or a callable receiving the AuditResult; each fires once.
+    logging_budget: the share of wall time the epsilon curves and figures may take; the
+    accountant's epsilon (slow with PRV) and the trade-off figure are skipped at a log
+    step when they would exceed it, and logged at the next step that fits.
     optimizer / accountant: pass them when the callback cannot find them.
     auditor_options: passed to PrivacyAuditor (delta, confidence, canary, mode, ...).
     """
@@ -49,14 +53,18 @@ class DPAuditCallback(Callback):
         accountant=None,
         optimizer=None,
         report: bool = True,
+        logging_budget: float = 0.02,
         **auditor_options,
     ):
         if not (callable(alert) or alert in ALERTS):
             raise ValueError(f"Unexpected value for `alert`: {alert!r}; use one of {', '.join(ALERTS)} or a callable")
         if int(log_every_n_steps) <= 0:
             raise ValueError(f"Unexpected value for `log_every_n_steps`: {log_every_n_steps}; it must be >= 1")
+        if not 0.0 < float(logging_budget) <= 1.0:
+            raise ValueError(f"Unexpected value for `logging_budget`: {logging_budget}; it must lie in (0, 1]")
         self.alert = alert
         self.log_every_n_steps = int(log_every_n_steps)
+        self.budget = TimeBudget(float(logging_budget))
         self.accountant = accountant
         self.optimizer = optimizer
         self.report = report
@@ -110,11 +118,15 @@ class DPAuditCallback(Callback):
         if self.auditor is None or trainer.sanity_checking or self.auditor.steps == 0:
             return
         if self.auditor.steps % self.log_every_n_steps == 0 and self.auditor.steps != self._last_logged():
-            self._log(trainer, pl_module, self.auditor.result())
+            with self.budget.spend("epsilon") as allowed:
+                result = self.auditor.result(accounting=allowed)
+                self._log(trainer, pl_module, result)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.auditor is not None and self.auditor.steps:
-            self._log_figure(trainer)
+            with self.budget.spend("figure") as allowed:
+                if allowed:
+                    self._log_figure(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.auditor is None or not self.auditor.steps:
@@ -147,13 +159,15 @@ class DPAuditCallback(Callback):
     # ------------------------------------------------------------------ logging
 
     def _last_logged(self) -> int:
-        return self.history[-1]["step"] if self.history else -1
+        return getattr(self, "_logged_step", -1)
 
     def _log(self, trainer, pl_module, result: AuditResult, progress_bar: bool = True) -> None:
         step = result.steps
-        self.history.append(
-            {"step": step, "eps_lower_bound": result.epsilon_lower_bound, "eps_accountant": result.epsilon_accountant}
-        )
+        if math.isfinite(result.epsilon_accountant):
+            self.history.append(
+                {"step": step, "eps_lower_bound": result.epsilon_lower_bound, "eps_accountant": result.epsilon_accountant}
+            )
+        self._logged_step = step
         metrics = {
             "dpaudit/eps_lower_bound": result.epsilon_lower_bound,
             "dpaudit/eps_accountant": result.epsilon_accountant,

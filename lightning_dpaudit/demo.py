@@ -24,7 +24,7 @@ from .digits import DigitsCNN, digits_dataset
 class DigitsDataModule(pl.LightningDataModule):
     """scikit-learn's 1,797 digits: 1,500 for training, the rest for validation."""
 
-    def __init__(self, batch_size: int = 64, seed: int = 0):
+    def __init__(self, batch_size: int = 256, seed: int = 0):
         super().__init__()
         self.batch_size, self.seed = batch_size, seed
 
@@ -42,11 +42,14 @@ class DigitsDataModule(pl.LightningDataModule):
 class PrivateDigitsModule(pl.LightningModule):
     """DigitsCNN trained with DP-SGD; `bug` swaps in a bug-zoo optimizer for the demo."""
 
-    def __init__(self, *, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, lr: float = 0.5, bug: Optional[str] = None):
+    def __init__(
+        self, *, noise_multiplier: float = 3.0, max_grad_norm: float = 1.0, lr: float = 1.0,
+        bug: Optional[str] = None, accountant: str = "rdp",
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.model = DigitsCNN()
-        self.privacy_engine = PrivacyEngine()
+        self.privacy_engine = PrivacyEngine(accountant=accountant)
         self.loss = torch.nn.CrossEntropyLoss()
 
     def forward(self, x):
@@ -82,8 +85,8 @@ class PrivateDigitsModule(pl.LightningModule):
 
 def run_demo(
     *,
-    steps: int = 1000,
-    noise_multiplier: float = 1.0,
+    steps: int = 600,
+    noise_multiplier: float = 3.0,
     canary: str = "dirac",
     bug: Optional[str] = None,
     audit: bool = True,
@@ -91,7 +94,7 @@ def run_demo(
     seed: int = 0,
     progress_bar: bool = True,
     alert="warn",
-    log_every_n_steps: int = 25,
+    log_every_n_steps: int = 20,
 ):
     """Train the private digits model for `steps` optimizer steps; returns (trainer, callback or None)."""
     from pytorch_lightning.loggers import TensorBoardLogger
@@ -114,7 +117,7 @@ def run_demo(
         enable_model_summary=False,
         log_every_n_steps=log_every_n_steps,
         num_sanity_val_steps=0,
-        check_val_every_n_epoch=5,
+        check_val_every_n_epoch=10,
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook.*")

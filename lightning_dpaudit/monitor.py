@@ -68,6 +68,13 @@ class AnytimeMonitor:
                 fired.append(group)
         return fired
 
+    def group_counts(self) -> Dict[int, np.ndarray]:
+        """(tp, fn, fp, tn) at threshold 0.5 for the pool and for every tensor."""
+        counts = {g: c.copy() for g, c in self.counts.items()}
+        if self.num_layers == 1:
+            counts[0] = counts[POOLED].copy()
+        return counts
+
     def refresh_bounds(self) -> Dict[int, float]:
         """Anytime-valid mu lower bound of every group, now."""
         for group, (tp, fn, fp, tn) in self.counts.items():

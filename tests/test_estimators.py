@@ -327,3 +327,13 @@ def test_worse_than_chance_attack_is_flipped_not_ignored():
     flipped = epsilon_from_counts(100, 900, 150, 50, delta=1e-3, method="epsdelta-cp")
     direct = epsilon_from_counts(900, 100, 50, 150, delta=1e-3, method="epsdelta-cp")
     assert flipped.epsilon == pytest.approx(direct.epsilon) and flipped.epsilon > 1.5
+
+
+def test_mu_from_counts_matches_the_full_estimate():
+    for method in ("gdp-cp", "gdp-bayes"):
+        full = epsilon_from_counts(700, 300, 300, 700, delta=1e-5, method=method)
+        from lightning_dpaudit.estimators import mu_from_counts
+
+        assert mu_from_counts(700, 300, 300, 700, method=method) == pytest.approx(full.mu)
+    with pytest.raises(ValueError, match="gdp-cp or gdp-bayes"):
+        mu_from_counts(1, 1, 1, 1, method="katz")

@@ -203,6 +203,15 @@ def epsilon_from_counts(
     return _estimate(epsilon, mu, math.nan, tp, fn, fp, tn, method, confidence, delta, True)
 
 
+def mu_from_counts(tp: int, fn: int, fp: int, tn: int, *, method: str = "gdp-cp", confidence: float = 0.95) -> float:
+    """Lower bound on the GDP mu alone (no epsilon conversion) for a GDP method's counts."""
+    if method not in ("gdp-cp", "gdp-bayes"):
+        raise ValueError(f"Unexpected value for `method`: {method!r}; mu_from_counts takes gdp-cp or gdp-bayes")
+    confidence = check_confidence(confidence)
+    _, mu = _bound_from_counts(tp, fn, fp, tn, method=method, delta=1e-5, confidence=confidence)
+    return float(mu)
+
+
 def _estimate(eps, mu, threshold, tp, fn, fp, tn, method, confidence, delta, valid) -> EpsilonEstimate:
     n_in, n_out = int(tp + fn), int(fp + tn)
     mu = float(mu)
