@@ -134,6 +134,8 @@ class DPAuditCallback(Callback):
         result = self.auditor.result()
         if self.auditor.steps != self._last_logged():
             self._log(trainer, pl_module, result, progress_bar=False)
+        elif not self.history or self.history[-1]["step"] != result.steps:
+            self._log_epsilons(trainer, result)  # the last log step skipped them for the budget
         if self.report:
             self._write_report(trainer, result)
 
@@ -183,6 +185,16 @@ class DPAuditCallback(Callback):
         if progress_bar:
             bar = {"eps_low": result.epsilon_lower_bound, "eps_acc": result.epsilon_accountant}
             pl_module.log_dict({k: v for k, v in bar.items() if math.isfinite(v)}, prog_bar=True, logger=False)
+
+    def _log_epsilons(self, trainer, result: AuditResult) -> None:
+        self.history.append(
+            {"step": result.steps, "eps_lower_bound": result.epsilon_lower_bound, "eps_accountant": result.epsilon_accountant}
+        )
+        metrics = {"dpaudit/eps_lower_bound": result.epsilon_lower_bound, "dpaudit/eps_accountant": result.epsilon_accountant}
+        metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
+        if metrics and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=result.steps)
 
     @rank_zero_only
     def _write_metrics(self, trainer, metrics: dict, step: int) -> None:

@@ -46,13 +46,14 @@ def _report(args) -> int:
     from .report import load_report, summary_table
 
     directory = Path(args.directory)
-    candidates = [directory] + sorted(p.parent for p in directory.rglob("audit_report.json"))
-    for candidate in candidates:
-        if (candidate / "audit_report.json").exists():
-            print(summary_table(load_report(candidate)))
-            return 0
-    print(f"no audit_report.json in {directory} or below it", file=sys.stderr)
-    return 1
+    reports = sorted(directory.rglob("audit_report.json"), key=lambda p: p.stat().st_mtime)
+    if not reports:
+        print(f"no audit_report.json in {directory} or below it", file=sys.stderr)
+        return 1
+    latest = reports[-1].parent  # the most recent audit at or below the directory
+    print(f"audit report in {latest}")
+    print(summary_table(load_report(latest)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

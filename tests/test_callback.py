@@ -170,6 +170,16 @@ def test_callable_alert_receives_the_result_once(tmp_path):
 # ------------------------------------------------------------------ checkpoint and resume
 
 
+@pytest.fixture
+def one_thread():
+    # Deterministic training: with several intra-op threads, CPU kernels may sum in a
+    # different order when the machine is loaded, which changes the last float bits.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _resume_run(tmp_path, *, total, interrupt, bug=None):
     """(uninterrupted callback, resumed callback) for the same deterministic training."""
     alerts_a, alerts_b = [], []
@@ -184,7 +194,7 @@ def _resume_run(tmp_path, *, total, interrupt, bug=None):
     return whole, second, alerts_a, alerts_b
 
 
-def test_resume_counts_every_observation_once_and_matches_exactly(tmp_path):
+def test_resume_counts_every_observation_once_and_matches_exactly(tmp_path, one_thread):
     whole, resumed, _, _ = _resume_run(tmp_path, total=32, interrupt=16)
     a, b = whole.auditor.result(), resumed.auditor.result()
     assert b.steps == a.steps == 32 and b.n_in == a.n_in and b.n_out == a.n_out
@@ -195,7 +205,7 @@ def test_resume_counts_every_observation_once_and_matches_exactly(tmp_path):
     assert b.epsilon_accountant == pytest.approx(a.epsilon_accountant)
 
 
-def test_resume_neither_loses_nor_repeats_an_alert(tmp_path):
+def test_resume_neither_loses_nor_repeats_an_alert(tmp_path, one_thread):
     whole, resumed, alerts_a, alerts_b = _resume_run(tmp_path, total=24, interrupt=16, bug="no-noise")
     assert len(alerts_a) == 1 and len(alerts_b) == 1
     assert resumed.auditor.result().first_violation_step == whole.auditor.result().first_violation_step
