@@ -3,6 +3,8 @@
 import csv
 import math
 
+import numpy as np
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -199,9 +201,15 @@ def test_resume_counts_every_observation_once_and_matches_exactly(tmp_path, one_
     a, b = whole.auditor.result(), resumed.auditor.result()
     assert b.steps == a.steps == 32 and b.n_in == a.n_in and b.n_out == a.n_out
     obs_a, obs_b = whole.auditor.observations(), resumed.auditor.observations()
-    assert (obs_b["step"] == obs_a["step"]).all()
-    assert torch.allclose(torch.as_tensor(obs_a["value"]), torch.as_tensor(obs_b["value"]), atol=1e-9)
+    assert (obs_b["step"] == obs_a["step"]).all() and (obs_b["is_in"] == obs_a["is_in"]).all()
+    assert (obs_b["layer"] == obs_a["layer"]).all()
     assert b.mu_lower_bound == a.mu_lower_bound and b.epsilon_lower_bound == pytest.approx(a.epsilon_lower_bound)
+    # Observations before the interruption are bit-identical. After it, the training's own
+    # float32 arithmetic has been seen to differ in the last bits (about 5e-8) when other
+    # trainings ran earlier in the same process, so later values are compared to 1e-6.
+    before = obs_a["step"] < 16
+    assert np.array_equal(obs_a["value"][before], obs_b["value"][before])
+    assert np.allclose(obs_a["value"], obs_b["value"], atol=1e-6)
     assert b.epsilon_accountant == pytest.approx(a.epsilon_accountant)
 
 
