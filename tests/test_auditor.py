@@ -262,3 +262,11 @@ def test_canary_scale_above_the_bound_exposes_missing_clipping():
     at_bound = train_audited(steps=150, canary_scale=1.0, transform=lambda o: _inject(o, "no-clipping"))
     above = train_audited(steps=150, canary_scale=2.0, transform=lambda o: _inject(o, "no-clipping"))
     assert not at_bound.violation and above.violation
+
+
+def test_paired_mode_is_quiet_on_correct_opacus_and_catches_a_bug():
+    result, obs = train_audited(steps=150, mode="paired", return_observations=True)
+    assert not result.violation and result.n_in == result.n_out == 150 * 128
+    ins, outs = obs["value"][obs["is_in"]], obs["value"][~obs["is_in"]]
+    assert abs(outs.mean()) < 0.05 and abs(ins.mean() - 1.0) < 0.05  # 19,200 each: > 6 sd
+    assert train_audited(steps=60, mode="paired", transform=lambda o: _inject(o, "reused-noise")).violation
