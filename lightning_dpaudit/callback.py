@@ -9,7 +9,6 @@ anytime-valid alarm fires, and writes audit_report.json/.png at the end of fit.
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -22,10 +21,10 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from .auditor import PrivacyAuditor
+from .monitor import POOLED
 from .budget import TimeBudget
 from .results import AuditResult, violation_message
 
-log = logging.getLogger(__name__)
 ALERTS = ("warn", "raise", "stop")
 
 
@@ -166,9 +165,7 @@ class DPAuditCallback(Callback):
     def _log(self, trainer, pl_module, result: AuditResult, progress_bar: bool = True) -> None:
         step = result.steps
         if math.isfinite(result.epsilon_accountant):
-            self.history.append(
-                {"step": step, "eps_lower_bound": result.epsilon_lower_bound, "eps_accountant": result.epsilon_accountant}
-            )
+            self._remember_epsilons(result)
         self._logged_step = step
         metrics = {
             "dpaudit/eps_lower_bound": result.epsilon_lower_bound,
@@ -180,26 +177,28 @@ class DPAuditCallback(Callback):
         }
         for layer in result.layers:
             metrics[f"dpaudit/layers/{layer.name}/mu_lower_bound"] = layer.mu_lower_bound
-        metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
-        self._write_metrics(trainer, metrics, step)
+        self._write_metrics(trainer, _finite(metrics), step)
         if progress_bar:
             bar = {"eps_low": result.epsilon_lower_bound, "eps_acc": result.epsilon_accountant}
             pl_module.log_dict({k: v for k, v in bar.items() if math.isfinite(v)}, prog_bar=True, logger=False)
 
-    def _log_epsilons(self, trainer, result: AuditResult) -> None:
+    def _remember_epsilons(self, result: AuditResult) -> None:
         self.history.append(
             {"step": result.steps, "eps_lower_bound": result.epsilon_lower_bound, "eps_accountant": result.epsilon_accountant}
         )
-        metrics = {"dpaudit/eps_lower_bound": result.epsilon_lower_bound, "dpaudit/eps_accountant": result.epsilon_accountant}
-        metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
-        if metrics and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=result.steps)
+
+    def _log_epsilons(self, trainer, result: AuditResult) -> None:
+        self._remember_epsilons(result)
+        metrics = _finite({"dpaudit/eps_lower_bound": result.epsilon_lower_bound, "dpaudit/eps_accountant": result.epsilon_accountant})
+        if metrics:
+            self._write_metrics(trainer, metrics, result.steps, histograms=False)
 
     @rank_zero_only
-    def _write_metrics(self, trainer, metrics: dict, step: int) -> None:
+    def _write_metrics(self, trainer, metrics: dict, step: int, histograms: bool = True) -> None:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+        if not histograms:
+            return
         ins, outs = self.auditor.log.scores()
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger) and len(ins):
@@ -214,13 +213,10 @@ class DPAuditCallback(Callback):
         from .report import tradeoff_figure
 
         ins, outs = self.auditor.log.scores()
-        result_mu = self.auditor.monitor.bounds.get(-1, None)
-        figure = tradeoff_figure(ins, outs, mu_claimed=self.auditor.mu_claimed, mu_lower=result_mu)
-        for logger in loggers:
+        mu_lower = self.auditor.monitor.bounds.get(POOLED)
+        figure = tradeoff_figure(ins, outs, mu_claimed=self.auditor.mu_claimed, mu_lower=mu_lower)
+        for logger in loggers:  # report figures are not registered with pyplot: nothing to close
             logger.experiment.add_figure("dpaudit/tradeoff", figure, self.auditor.steps, close=False)
-        import matplotlib.pyplot as plt
-
-        plt.close(figure)
 
     @rank_zero_only
     def _write_report(self, trainer, result: AuditResult) -> None:
@@ -313,6 +309,10 @@ def _log_dir(trainer) -> str:
         if getattr(logger, "log_dir", None):
             return logger.log_dir
     return trainer.default_root_dir
+
+
+def _finite(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
 
 
 def _plain(options: dict) -> dict:

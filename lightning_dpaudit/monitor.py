@@ -18,9 +18,9 @@ from typing import Dict, List, Sequence
 import numpy as np
 from scipy.special import ndtri
 
+from .estimators.bounds import DEFAULT_THRESHOLD as THRESHOLD  # the estimators' fixed threshold
 from .estimators.sequential import anytime_mu_lower
 
-THRESHOLD = 0.5
 POOLED = -1
 
 
@@ -61,9 +61,7 @@ class AnytimeMonitor:
             claim = self.claims[group]
             if upper <= claim:  # the anytime bound is below this screen, hence below the claim
                 continue
-            bound = anytime_mu_lower(tp, fn, fp, tn, alpha=self.alpha[group], mu_anticipated=claim)
-            self.bounds[group] = bound
-            if bound > claim:
+            if self._refresh(group) > claim:
                 self.first_violation[group] = step
                 fired.append(group)
         return fired
@@ -79,10 +77,14 @@ class AnytimeMonitor:
         """Anytime-valid mu lower bound of every group, now."""
         for group, (tp, fn, fp, tn) in self.counts.items():
             if min(tp + fn, fp + tn) > 0:
-                self.bounds[group] = anytime_mu_lower(
-                    tp, fn, fp, tn, alpha=self.alpha[group], mu_anticipated=self.claims[group]
-                )
+                self._refresh(group)
         return dict(self.bounds)
+
+    def _refresh(self, group: int) -> float:
+        """Recompute and store one group's anytime-valid mu lower bound."""
+        tp, fn, fp, tn = self.counts[group]
+        self.bounds[group] = anytime_mu_lower(tp, fn, fp, tn, alpha=self.alpha[group], mu_anticipated=self.claims[group])
+        return self.bounds[group]
 
     def state_dict(self) -> dict:
         return {
