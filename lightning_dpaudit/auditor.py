@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from . import estimators as est
-from .canaries import KINDS, CanarySampler
+from .canaries import KINDS, CanarySampler, choose_pool
+from .input_canaries import INPUT_KINDS, InputCanaries
+from .input_probe import InputProbe, check_input_model
 from .monitor import POOLED, AnytimeMonitor
 from .noise_memory import NoiseMemory
 from .observations import ObservationLog
@@ -33,6 +35,7 @@ from .probe import GradientProbe
 from .results import AuditResult, LayerAudit, violation_message
 
 MODES = ("one-run", "paired")
+ALL_LAYERS = "all parameters"  # the one group of input canaries, whose gradients span every tensor
 
 
 class PrivacyViolationWarning(UserWarning):
@@ -75,12 +78,20 @@ def _check_optimizer(optimizer):
 
 
 class PrivacyAuditor:
-    """Plants gradient canaries in every noised step of `optimizer` and bounds epsilon.
+    """Plants canaries in every noised step of `optimizer` and bounds epsilon.
 
+    canary: a gradient canary kind ("dirac", "constant", "random"), an input canary kind
+    ("mislabeled", "blank", "adversarial", "crafted") or an InputCanaries object.
     canaries_per_step: canaries per noised step (one-run: half in, half out; paired: all
     in the second release, all out in the first). canary_scale: canary norm as a multiple
     of the clipping bound (> 1 audits clipping). moving: fresh coordinates each step.
     support: coordinates per canary for "constant" and "random".
+    Input canaries: module (the GradSampleModule) is required; canary_inputs /
+    canary_labels are in-distribution examples held out from training, loss_fn the
+    summed training loss (default cross-entropy), recraft_every the steps between
+    rebuilds of adversarial and crafted canaries.
+    observe_steps: plant and observe canaries in the first observe_steps noised steps
+    only (None: all steps); later steps run un-audited.
     on_violation: called once with the AuditResult when the alarm first fires (default:
     one PrivacyViolationWarning).
     """
@@ -92,7 +103,7 @@ class PrivacyAuditor:
         accountant=None,
         delta: float = 1e-5,
         confidence: float = 0.95,
-        canary: str = "dirac",
+        canary="dirac",
         canaries_per_step: int = 128,
         mode: str = "one-run",
         estimator: str = "gdp-cp",
@@ -103,6 +114,11 @@ class PrivacyAuditor:
         check_every: int = 1,
         module: Optional[torch.nn.Module] = None,
         on_violation: Optional[Callable[[AuditResult], None]] = None,
+        canary_inputs: Optional[torch.Tensor] = None,
+        canary_labels: Optional[torch.Tensor] = None,
+        loss_fn: Optional[Callable] = None,
+        recraft_every: Optional[int] = 100,
+        observe_steps: Optional[int] = None,
     ):
         _check_optimizer(optimizer)
         if estimator == "katz":
@@ -120,25 +136,57 @@ class PrivacyAuditor:
             raise ValueError(f"Unexpected value for `canaries_per_step`: {canaries_per_step}; {mode} needs >= {min_canaries}")
         if canary_scale <= 0 or check_every < 1:
             raise ValueError(f"`canary_scale` must be > 0 and `check_every` >= 1; got {canary_scale}, {check_every}")
+        if observe_steps is not None and int(observe_steps) < 1:
+            raise ValueError(f"Unexpected value for `observe_steps`: {observe_steps}; use an integer >= 1 or None")
+        if isinstance(canary, str) and canary in INPUT_KINDS:
+            canary = InputCanaries(
+                canary, inputs=canary_inputs, labels=canary_labels, loss_fn=loss_fn, recraft_every=recraft_every
+            )
+        self.input = canary if isinstance(canary, InputCanaries) else None
+        if self.input is not None:
+            check_input_model(module, list(optimizer.params), self.input)
+        elif canary not in KINDS:
+            raise ValueError(
+                f"Unexpected value for `canary`: {canary!r}; valid kinds are {', '.join(KINDS + INPUT_KINDS)} "
+                "or an InputCanaries object"
+            )
         self.optimizer = optimizer
         self.accountant = accountant if accountant is not None else _find_accountant(optimizer)
         self.delta, self.confidence, self.estimator = float(delta), float(confidence), estimator
-        self.mode, self.canary, self.check_every = mode, canary, int(check_every)
+        self.mode, self.check_every = mode, int(check_every)
+        self.canary = self.input.kind if self.input is not None else canary
+        self.observe_steps = None if observe_steps is None else int(observe_steps)
+        self.per_step = int(canaries_per_step)
+        self.model = module
         self.on_violation = on_violation
         params = list(optimizer.params)
-        self.layer_names = _layer_names(params, module)
+        self.layer_names = _layer_names(params, module) if self.input is None else [ALL_LAYERS]
         per_layer = hasattr(optimizer, "max_grad_norms")
         clip = np.array(optimizer.max_grad_norms if per_layer else [optimizer.max_grad_norm] * len(params), dtype=float)
         self.mu_claimed = 1.0 / float(optimizer.noise_multiplier)
         layer_mu = clip / (float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm))
         self.rng = np.random.default_rng(seed)
-        self.sampler = CanarySampler(
-            [p.numel() for p in params], kind=canary, per_step=canaries_per_step, moving=moving, support=support, rng=self.rng
-        )
-        self.probe = GradientProbe(params, self.sampler.pool, clip, canary_scale)
-        self.memory = NoiseMemory(self.sampler.pool_size)
-        self.log = ObservationLog(list(KINDS))
-        self.monitor = AnytimeMonitor({i: float(m) for i, m in enumerate(layer_mu)}, self.mu_claimed, confidence=confidence)
+        sizes = [p.numel() for p in params]
+        if self.input is None:
+            self.sampler = CanarySampler(
+                sizes, kind=canary, per_step=canaries_per_step, moving=moving, support=support, rng=self.rng
+            )
+            pool, pool_size = self.sampler.pool, self.sampler.pool_size
+            layer_mu = {i: float(m) for i, m in enumerate(layer_mu)}
+        else:
+            self.sampler = None
+            pool = choose_pool(sizes, 8192, self.rng)
+            pool_size = sum(len(p) for p in pool)
+            layer_mu = {0: self.mu_claimed}
+            offsets = np.concatenate([[0], np.cumsum(sizes)])
+            self.input_probe = InputProbe(
+                params, module, self.input, clip, per_layer=per_layer, max_grad_norm=float(optimizer.max_grad_norm),
+                loss_reduction=optimizer.loss_reduction, pool=np.concatenate([i + o for i, o in zip(pool, offsets)]),
+            )
+        self.probe = GradientProbe(params, pool, clip, canary_scale)
+        self.memory = NoiseMemory(pool_size)
+        self.log = ObservationLog(list(KINDS + INPUT_KINDS))
+        self.monitor = AnytimeMonitor(layer_mu, self.mu_claimed, confidence=confidence)
         self.steps = 0
         self._alerted = False
         self._attach()
@@ -167,6 +215,19 @@ class PrivacyAuditor:
     # ------------------------------------------------------------------ one noised step
 
     def _audited_add_noise(self) -> None:
+        if self.observe_steps is not None and self.steps >= self.observe_steps:
+            self._release()  # past the observation window: the plain step
+            self.steps += 1
+            return
+        if self.input is not None:
+            self._input_step()
+        else:
+            self._gradient_step()
+        self.steps += 1
+        if self.steps % self.check_every == 0:
+            self._check()
+
+    def _gradient_step(self) -> None:
         params = self.probe.params
         data_sum = [p.summed_grad for p in params]
         if self.mode == "one-run":
@@ -186,16 +247,53 @@ class PrivacyAuditor:
             self._observe(data_sum, added, canaries, np.ones(len(canaries.tensor), bool))
             for p, r in zip(params, released):
                 p.grad = r
-        for p, s in zip(params, data_sum):  # summed_grad as the un-audited step leaves it
-            p.summed_grad = s
-            s._processed = True
-        self.steps += 1
-        if self.steps % self.check_every == 0:
-            self._check()
+        _restore_summed(params, data_sum)
+
+    def _input_step(self) -> None:
+        """One noised step with input canaries (see input_probe for the observations)."""
+        params, probe, spec = self.probe.params, self.input_probe, self.input
+        data_sum = [p.summed_grad for p in params]
+        if spec.due(self.steps):
+            spec.build(self.model, self.per_step, torch.Generator().manual_seed(int(self.rng.integers(2**62))))
+        probe.prepare(probe.gradients())
+        k = len(spec.x)
+        if self.mode == "one-run":
+            is_in = np.zeros(k, dtype=bool)
+            is_in[self.rng.permutation(k)[: k // 2]] = True
+            added = self._add_rows(probe.canary_rows(is_in), data_sum)
+            self._release()
+            self._observe_input(data_sum, added, is_in)
+            for p, a in zip(params, added):
+                p.grad.sub_(a.view_as(p.grad))
+        else:
+            self._release()
+            released = [p.grad.detach().clone() for p in params]
+            self._observe_input(data_sum, None, np.zeros(k, dtype=bool))
+            everything = np.ones(k, dtype=bool)
+            added = self._add_rows(probe.canary_rows(everything), data_sum)
+            self._release()
+            self._observe_input(data_sum, added, everything)
+            for p, r in zip(params, released):
+                p.grad = r
+        _restore_summed(params, data_sum)
+
+    def _observe_input(self, data_sum, added, is_in) -> None:
+        probe = self.input_probe
+        difference = probe.flat([p.grad for p in probe.params]) - probe.flat(data_sum)
+        noise = difference if added is None else difference - probe.flat(added)
+        predicted = self.memory.predict(probe.at_pool(noise), np.zeros(0, dtype=int))
+        self.memory.add(probe.at_pool(noise))
+        observed, values = probe.project(probe.without(difference, predicted), is_in)
+        layers = np.zeros(len(values), dtype=int)
+        self.log.append(step=self.steps, layer=layers, kind=self.canary, is_in=is_in[observed], value=values)
+        self.monitor.update(layers, is_in[observed], values)
 
     def _add_canaries(self, canaries, data_sum):
-        """Canary rows through the optimizer's own clipping; summed_grad becomes data + canaries."""
-        rows = self.probe.canary_rows(canaries, canaries.is_in)
+        """Gradient canary rows through the optimizer's own clipping."""
+        return self._add_rows(self.probe.canary_rows(canaries, canaries.is_in), data_sum)
+
+    def _add_rows(self, rows, data_sum):
+        """Per-sample rows through the optimizer's own clipping; summed_grad becomes data + rows."""
         added = self.probe.clip_alone(self.optimizer, rows) if rows[0].shape[0] else [torch.zeros_like(s) for s in data_sum]
         for p, s, k in zip(self.probe.params, data_sum, added):
             p.summed_grad = s + k
@@ -302,7 +400,8 @@ class PrivacyAuditor:
         return {
             "steps": self.steps,
             "alerted": self._alerted,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.sampler.state_dict() if self.sampler is not None else {"rng": self.rng.bit_generator.state},
+            "input_canaries": _input_state(self.input),
             "memory": self.memory.state_dict(),
             "log": self.log.state_dict(),
             "monitor": self.monitor.state_dict(),
@@ -311,10 +410,24 @@ class PrivacyAuditor:
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self._alerted = bool(state.get("alerted", False))
-        self.sampler.load_state_dict(state["sampler"])
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state["sampler"])
+        else:
+            self.rng.bit_generator.state = state["sampler"]["rng"]
+        if self.input is not None and state.get("input_canaries"):
+            saved = state["input_canaries"]
+            self.input.x, self.input.y = torch.as_tensor(saved["x"]), torch.as_tensor(saved["y"])
+            self.input.builds = int(saved["builds"])
         self.memory.load_state_dict(state["memory"])
         self.log.load_state_dict(state["log"])
         self.monitor.load_state_dict(state["monitor"])
+
+
+def _restore_summed(params, data_sum) -> None:
+    """summed_grad as the un-audited step leaves it."""
+    for p, s in zip(params, data_sum):
+        p.summed_grad = s
+        s._processed = True
 
 
 def _layer_names(params, module) -> list:
@@ -322,3 +435,9 @@ def _layer_names(params, module) -> list:
     if module is not None:
         names = {id(p): n.removeprefix("_module.") for n, p in module.named_parameters()}
     return [names.get(id(p), f"param{i}{tuple(p.shape)}") for i, p in enumerate(params)]
+
+
+def _input_state(spec: Optional[InputCanaries]):
+    if spec is None or spec.x is None:
+        return None
+    return {"x": spec.x.detach().cpu().numpy(), "y": spec.y.detach().cpu().numpy(), "builds": spec.builds}

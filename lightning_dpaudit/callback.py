@@ -41,7 +41,8 @@ class DPAuditCallback(Callback):
     accountant's epsilon (slow with PRV) and the trade-off figure are skipped at a log
     step when they would exceed it, and logged at the next step that fits.
     optimizer / accountant: pass them when the callback cannot find them.
-    auditor_options: passed to PrivacyAuditor (delta, confidence, canary, mode, ...).
+    auditor_options: passed to PrivacyAuditor (delta, confidence, canary, mode, ...). Input
+    canaries go through the LightningModule's forward unless `module=` names another model.
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class DPAuditCallback(Callback):
     @property
     def state_key(self) -> str:
         options = {k: self.auditor_options.get(k) for k in ("canary", "mode", "canaries_per_step", "estimator")}
+        options["canary"] = getattr(options["canary"], "kind", options["canary"])  # an InputCanaries object
         return self._generate_state_key(**options)
 
     # ------------------------------------------------------------------ set-up
@@ -86,8 +88,10 @@ class DPAuditCallback(Callback):
         accountant = self.accountant if self.accountant is not None else _module_accountant(pl_module)
         _check_accountant(accountant, optimizer)
         self._trainer = trainer
+        options = dict(self.auditor_options)
+        module = options.pop("module", pl_module)  # input canaries go through its forward
         self.auditor = PrivacyAuditor(
-            optimizer, accountant=accountant, module=pl_module, on_violation=self._on_violation, **self.auditor_options
+            optimizer, accountant=accountant, module=module, on_violation=self._on_violation, **options
         )
         if self._pending_state is not None:
             self._restore(self._pending_state)
@@ -316,7 +320,14 @@ def _finite(metrics: dict) -> dict:
 
 
 def _plain(options: dict) -> dict:
-    return {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v) for k, v in options.items()}
+    def plain(v):
+        if isinstance(v, (str, int, float, bool, type(None))):
+            return v
+        if torch.is_tensor(v):
+            return f"tensor of shape {tuple(v.shape)}"
+        return getattr(v, "kind", None) or repr(v)
+
+    return {k: plain(v) for k, v in options.items()}
 
 
 def _versions() -> dict:

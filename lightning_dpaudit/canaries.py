@@ -44,6 +44,13 @@ class StepCanaries:
     is_in: np.ndarray
 
 
+def choose_pool(tensor_sizes: Sequence[int], pool_size: int, rng: np.random.Generator) -> list:
+    """A fixed random subset of coordinates, spread evenly over tensors (sorted, per tensor)."""
+    sizes = np.asarray(tensor_sizes, dtype=int)
+    quota = allocate(sizes, min(pool_size, int(sizes.sum())))
+    return [np.sort(rng.choice(n, size=q, replace=False)) for n, q in zip(sizes, quota)]
+
+
 def allocate(capacity: Sequence[int], total: int) -> np.ndarray:
     """Spread `total` canaries over tensors as evenly as their capacities allow."""
     capacity = np.asarray(capacity, dtype=int)
@@ -94,8 +101,8 @@ class CanarySampler:
                 f"{self.per_step * self.support} coordinates; the optimizer has {total_coords} parameters"
             )
         pool_size = max(pool_size, self.per_step * self.support)
-        pool_quota = allocate(sizes, min(pool_size, total_coords))
-        self.pool = [np.sort(rng.choice(n, size=q, replace=False)) for n, q in zip(sizes, pool_quota)]
+        self.pool = choose_pool(sizes, pool_size, rng)
+        pool_quota = np.array([len(p) for p in self.pool])
         self.pool_offsets = np.concatenate([[0], np.cumsum(pool_quota)])
         self._pool_local = np.concatenate(self.pool)
         self.quota = allocate(pool_quota // self.support, self.per_step)

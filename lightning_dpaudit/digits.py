@@ -11,7 +11,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["DigitsCNN", "digits_dataset", "make_private_digits", "train_steps"]
+__all__ = ["DigitsCNN", "digits_dataset", "digits_holdout", "make_private_digits", "train_steps"]
 
 
 def digits_dataset(*, dtype: torch.dtype = torch.float32) -> TensorDataset:
@@ -26,6 +26,12 @@ def digits_dataset(*, dtype: torch.dtype = torch.float32) -> TensorDataset:
     images = torch.as_tensor(digits.images, dtype=dtype).div_(16.0).unsqueeze(1)
     labels = torch.as_tensor(digits.target, dtype=torch.int64)
     return TensorDataset(images, labels)
+
+
+def digits_holdout(holdout: int, *, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The last `holdout` digits (images, labels): the examples make_private_digits(holdout=...) leaves out."""
+    images, labels = digits_dataset(dtype=dtype).tensors
+    return images[len(images) - holdout :], labels[len(labels) - holdout :]
 
 
 class DigitsCNN(nn.Module):
@@ -67,6 +73,7 @@ def make_private_digits(
     dtype: torch.dtype = torch.float32,
     loss_reduction: str = "mean",
     accountant: str = "rdp",
+    holdout: int = 0,
 ) -> Tuple[nn.Module, DPOptimizer, DataLoader, PrivacyEngine]:
     """Build the digits data, a DigitsCNN and SGD, and make them private with Opacus.
 
@@ -76,9 +83,12 @@ def make_private_digits(
     ``clipping="per_layer"`` a float ``max_grad_norm`` is split evenly over the
     parameter tensors (each gets ``max_grad_norm / sqrt(k)``), so the joint
     bound, and hence the noise, equals the flat case; a sequence is used as given.
+    ``holdout`` examples at the end are left out of training (``digits_holdout``).
     """
     torch.manual_seed(seed)
     dataset = digits_dataset(dtype=dtype)
+    if holdout:
+        dataset = TensorDataset(*(t[: len(t) - holdout] for t in dataset.tensors))
     model = DigitsCNN().to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     data_loader = DataLoader(

@@ -1,39 +1,91 @@
 """Input-space canaries: real examples whose gradient the auditor watches (Tight Auditing, App. C.3).
 
-Kinds, each a (input, label) pair built from a few in-distribution examples the auditor
-may see:
+Kinds, each a batch of (input, label) pairs built from a few in-distribution examples
+the auditor may see (held out from training):
 
-    mislabeled   a held-out example with a different label
-    blank        an all-zero input with a chosen label
-    adversarial  a held-out example pushed by PGD to raise its own loss (L-inf ball)
-    crafted      Algorithm 3: from example x, gradient steps on x that minimise
+    mislabeled   held-out examples with a different label
+    blank        all-zero inputs, labels cycling through the classes
+    adversarial  held-out examples pushed by PGD to raise their own loss (L-inf ball)
+    crafted      Algorithm 3: from held-out examples x, Adam steps on x that minimise
                  |cos(grad_theta l(theta; x, y), g_dist)|, g_dist the mean gradient of
-                 the in-distribution sample, so the canary's gradient is nearly
+                 the in-distribution sample, so each canary's gradient is nearly
                  orthogonal to what the data pushes
 
-The model used here is a plain nn.Module (an Opacus GradSampleModule is unwrapped); the
-parameters are not changed.
+Everything here reads the model's parameters and never changes them. A model wrapped by
+Opacus (a GradSampleModule, or a module whose submodules carry its hooks) has its
+per-sample-gradient hooks switched off while canaries are built.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 INPUT_KINDS = ("mislabeled", "blank", "adversarial", "crafted")
+SPREAD = 5.0  # weight of mutual orthogonality in crafting (measured: 31 of 32 canaries keep >= 0.9 of their direction)
 
 
-def _plain(model: nn.Module) -> nn.Module:
+def plain_module(model: nn.Module) -> nn.Module:
+    """The user's module inside an Opacus GradSampleModule (the module itself otherwise)."""
     return getattr(model, "_module", model)
 
 
+def grad_sample_wrapper(model: nn.Module):
+    """The Opacus GradSampleModule whose hooks compute per-sample gradients for `model`, or None.
+
+    make_private may wrap the module (the plain-PyTorch pattern returns the wrapper) or
+    hook it in place and drop the wrapper (the Lightning pattern); both are found.
+    """
+    from opacus.grad_sample import GradSampleModule
+
+    if isinstance(model, GradSampleModule):
+        return model
+    for module in model.modules():
+        for hook in module._forward_hooks.values():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, GradSampleModule):
+                return owner
+    return None
+
+
+def _owner(hook):
+    return getattr(getattr(hook, "func", hook), "__self__", None)
+
+
+@contextlib.contextmanager
+def hooks_disabled(model: nn.Module):
+    """Take Opacus's per-sample-gradient hooks off `model` for the block, put them back after.
+
+    Plain autograd and torch.func then see the user's module alone (torch.func cannot
+    trace through full backward hooks). Other hooks stay in place.
+    """
+    from opacus.grad_sample import GradSampleModule
+
+    saved = []
+    for module in plain_module(model).modules():
+        for name in ("_forward_hooks", "_backward_hooks"):
+            hooks = getattr(module, name)
+            if any(isinstance(_owner(h), GradSampleModule) for h in hooks.values()):
+                saved.append((module, name, hooks))
+                setattr(module, name, type(hooks)((k, h) for k, h in hooks.items() if not isinstance(_owner(h), GradSampleModule)))
+    try:
+        yield
+    finally:
+        for module, name, hooks in saved:
+            setattr(module, name, hooks)
+
+
 def flat_gradient(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, *, create_graph=False):
-    """grad_theta loss(model(x), y) as one flat vector (sum over the batch)."""
-    params = [p for p in _plain(model).parameters() if p.requires_grad]
-    loss = loss_fn(_plain(model)(x), y)
-    grads = torch.autograd.grad(loss, params, create_graph=create_graph)
+    """grad_theta loss_fn(model(x), y) as one flat vector (loss_fn sums over the batch)."""
+    module = plain_module(model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    with hooks_disabled(model), torch.enable_grad():
+        loss = loss_fn(module(x), y)
+        grads = torch.autograd.grad(loss, params, create_graph=create_graph)
     return torch.cat([g.reshape(-1) for g in grads])
 
 
@@ -48,21 +100,36 @@ def mean_gradient(model: nn.Module, loss_fn: Callable, inputs: torch.Tensor, lab
     return flat_gradient(model, loss_fn, inputs, labels).detach() / len(inputs)
 
 
-def _check_sample(inputs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> None:
+def per_example_gradients(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(k, d) matrix of flat per-example gradients, differentiable in x (torch.func)."""
+    module = plain_module(model)
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    params = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+
+    def loss_one(theta, xi, yi):
+        return loss_fn(functional_call(module, theta, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    return torch.cat([grads[n].reshape(len(x), -1) for n in names], dim=1)
+
+
+def check_sample(inputs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> None:
+    """Clear errors for an unusable in-distribution sample."""
     if inputs is None or len(inputs) == 0:
         raise ValueError("input canaries need a sample of in-distribution inputs (`inputs`), got none")
-    if len(inputs) != len(labels):
-        raise ValueError(f"`inputs` has {len(inputs)} examples but `labels` has {len(labels)}")
+    if labels is None or len(inputs) != len(labels):
+        raise ValueError(f"`inputs` has {len(inputs)} examples but `labels` has {0 if labels is None else len(labels)}")
     if labels.dtype not in (torch.int64, torch.int32) or labels.min() < 0 or labels.max() >= num_classes:
         raise ValueError(f"`labels` must be integers in [0, {num_classes}); got {labels.dtype} in [{labels.min()}, {labels.max()}]")
 
 
-def make_input_canary(
+def make_input_canaries(
     kind: str,
     model: nn.Module,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
+    inputs: Optional[torch.Tensor],
+    labels: Optional[torch.Tensor],
     *,
+    count: int,
     num_classes: int,
     loss_fn: Optional[Callable] = None,
     steps: int = 50,
@@ -70,48 +137,149 @@ def make_input_canary(
     epsilon: float = 0.3,
     generator: Optional[torch.Generator] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One canary (input of shape inputs[0].shape, label) of the given kind.
+    """`count` canaries (inputs of shape (count, *inputs.shape[1:]), labels) of one kind.
 
-    inputs/labels: in-distribution examples the auditor may see; the canary is built
-    from one of them (held out from training by the caller). steps/step_size: the
-    optimisation of "adversarial" (PGD within an L-inf ball of radius epsilon) and
-    "crafted" (Algorithm 3).
+    inputs/labels: in-distribution examples the auditor may see (held out from training);
+    "blank" needs only their shape. Source examples are drawn without replacement while
+    the sample lasts. steps/step_size: the optimisation of "adversarial" (PGD within an
+    L-inf ball of radius epsilon) and "crafted" (Algorithm 3, Adam).
     """
     if kind not in INPUT_KINDS:
         raise ValueError(f"Unexpected value for `canary`: {kind!r}; input canary kinds are {', '.join(INPUT_KINDS)}")
-    _check_sample(inputs, labels, num_classes)
+    check_sample(inputs, labels, num_classes)
     loss_fn = loss_fn or nn.CrossEntropyLoss(reduction="sum")
-    pick = int(torch.randint(len(inputs), (1,), generator=generator))
-    x, y = inputs[pick : pick + 1].clone(), labels[pick : pick + 1].clone()
+    n = len(inputs)
+    order = torch.cat([torch.randperm(n, generator=generator) for _ in range(-(-count // n))])[:count]
+    x, y = inputs[order].clone(), labels[order].clone()
     if kind == "blank":
-        return torch.zeros_like(x[0]), y[0]
+        start = int(torch.randint(num_classes, (1,), generator=generator))
+        return torch.zeros_like(x), (start + torch.arange(count)) % num_classes
     if kind == "mislabeled":
-        shift = int(torch.randint(1, num_classes, (1,), generator=generator))
-        return x[0], (y[0] + shift) % num_classes
+        shift = torch.randint(1, num_classes, (count,), generator=generator)
+        return x, (y + shift) % num_classes
     if kind == "adversarial":
-        return _pgd(model, loss_fn, x, y, steps=steps, step_size=step_size, radius=epsilon)[0], y[0]
+        return _pgd(model, loss_fn, x, y, steps=steps, step_size=step_size, radius=epsilon), y
     reference = mean_gradient(model, loss_fn, inputs, labels)
-    return _craft(model, loss_fn, x, y, reference, steps=steps, step_size=step_size)[0], y[0]
+    return craft(model, loss_fn, x, y, reference, steps=steps, step_size=step_size), y
+
+
+def make_input_canary(kind: str, model: nn.Module, inputs, labels, **options) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One canary (input of shape inputs[0].shape, label); see make_input_canaries."""
+    x, y = make_input_canaries(kind, model, inputs, labels, count=1, **options)
+    return x[0], y[0]
 
 
 def _pgd(model, loss_fn, x, y, *, steps, step_size, radius):
+    """Signed-gradient ascent on each example's own loss, projected to the L-inf ball."""
+    module = plain_module(model)
     start = x.detach()
     x = start.clone()
-    for _ in range(steps):
-        x.requires_grad_(True)
-        (grad,) = torch.autograd.grad(loss_fn(_plain(model)(x), y), x)
-        x = (x.detach() + step_size * grad.sign()).clamp(start - radius, start + radius)
+    with hooks_disabled(model), torch.enable_grad():
+        for _ in range(steps):
+            x.requires_grad_(True)
+            (step,) = torch.autograd.grad(loss_fn(module(x), y), x)
+            x = (x.detach() + step_size * step.sign()).clamp(start - radius, start + radius)
     return x.detach()
 
 
-def _craft(model, loss_fn, x, y, reference, *, steps, step_size):
-    """Algorithm 3: x <- x - eta * grad_x |cos(grad_theta l(x, y), g_dist)| (Adam steps)."""
-    x = x.detach().clone().requires_grad_(True)
-    optimizer = torch.optim.Adam([x], lr=step_size)
-    for _ in range(steps):
-        g = flat_gradient(model, loss_fn, x, y, create_graph=True)
-        objective = torch.nn.functional.cosine_similarity(g, reference, dim=0).abs()
-        optimizer.zero_grad()
-        objective.backward(inputs=[x])
-        optimizer.step()
+def craft(model, loss_fn, x, y, reference, *, steps, step_size, spread: float = SPREAD):
+    """Algorithm 3 for a batch: Adam steps on x minimising sum_i |cos(g_i, g_dist)|.
+
+    g_i = grad_theta l(theta; x_i, y_i). With spread > 0 the objective also has
+    spread * sum_{i != j} cos(g_i, g_j)^2 / (k - 1): canaries observed in the same step
+    are more informative when their gradients are mutually orthogonal too (input_probe).
+    """
+    reference = reference / reference.norm()
+    k = len(x)
+
+    def objective(inputs):
+        g = per_example_gradients(model, loss_fn, inputs, y)
+        unit = g / g.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        value = (unit @ reference).abs().sum()
+        if spread and k > 1:
+            cos = unit @ unit.T
+            value = value + spread * (cos.pow(2).sum() - cos.diagonal().pow(2).sum()) / (k - 1)
+        return value
+
+    x = x.detach().clone()
+    optimizer = torch.optim.Adam([x.requires_grad_(True)], lr=step_size)
+    with hooks_disabled(model):
+        for _ in range(steps):
+            optimizer.zero_grad()
+            x.grad = grad(objective)(x.detach())
+            optimizer.step()
     return x.detach()
+
+
+class InputCanaries:
+    """Input canaries for `PrivacyAuditor(canary=...)`: which kind, from what, rebuilt when.
+
+    kind: one of INPUT_KINDS. inputs/labels: a sample of in-distribution examples the
+    auditor may see, held out from training (for "blank" only the input shape and dtype
+    are used). loss_fn(outputs, labels): the training loss summed over the batch
+    (default: cross-entropy). recraft_every: noised steps between rebuilds of
+    "adversarial" and "crafted" canaries from the current parameters (None: build once);
+    craft_steps/step_size/epsilon: their optimisation (see make_input_canaries); a rebuild
+    of "crafted" starts from the previous canaries and takes craft_steps // 5 steps.
+    num_classes: labels lie in [0, num_classes) (default: the model's output width).
+    min_strength: a canary is observed in a step only if it keeps at least this share of
+    its clipped direction after the other canaries' directions are projected out.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        inputs: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_fn: Optional[Callable] = None,
+        recraft_every: Optional[int] = 100,
+        craft_steps: int = 100,
+        step_size: float = 0.2,
+        epsilon: float = 0.3,
+        num_classes: Optional[int] = None,
+        min_strength: float = 0.9,
+    ):
+        if kind not in INPUT_KINDS:
+            raise ValueError(f"Unexpected value for `canary`: {kind!r}; input canary kinds are {', '.join(INPUT_KINDS)}")
+        if recraft_every is not None and int(recraft_every) < 1:
+            raise ValueError(f"Unexpected value for `recraft_every`: {recraft_every}; use an integer >= 1 or None")
+        if inputs is None or len(inputs) == 0:
+            raise ValueError(
+                f"{kind!r} canaries need a sample of in-distribution inputs: pass `canary_inputs` and `canary_labels` "
+                "(examples held out from training)"
+            )
+        self.kind = kind
+        self.inputs, self.labels = inputs, labels
+        self.loss_fn = loss_fn or nn.CrossEntropyLoss(reduction="sum")
+        self.recraft_every = None if recraft_every is None else int(recraft_every)
+        self.options = {"steps": int(craft_steps), "step_size": float(step_size), "epsilon": float(epsilon)}
+        if not 0.0 < float(min_strength) <= 1.0:
+            raise ValueError(f"Unexpected value for `min_strength`: {min_strength}; it must lie in (0, 1]")
+        self.num_classes = num_classes
+        self.min_strength = float(min_strength)
+        self.x: Optional[torch.Tensor] = None
+        self.y: Optional[torch.Tensor] = None
+        self.builds = 0
+
+    @property
+    def rebuilds(self) -> bool:
+        return self.kind in ("adversarial", "crafted") and self.recraft_every is not None
+
+    def build(self, model: nn.Module, count: int, generator: torch.Generator) -> None:
+        """(Re)build `count` canaries from the model's current parameters."""
+        if self.kind == "crafted" and self.x is not None and len(self.x) == count:
+            reference = mean_gradient(model, self.loss_fn, self.inputs, self.labels)
+            steps = max(1, self.options["steps"] // 5)
+            self.x = craft(model, self.loss_fn, self.x, self.y, reference, steps=steps, step_size=self.options["step_size"])
+            self.builds += 1
+            return
+        self.x, self.y = make_input_canaries(
+            self.kind, model, self.inputs, self.labels, count=count, num_classes=self.num_classes,
+            loss_fn=self.loss_fn, generator=generator, **self.options,
+        )
+        self.builds += 1
+
+    def due(self, step: int) -> bool:
+        """True when the canaries should be rebuilt before noised step `step` (0-based)."""
+        return self.x is None or (self.rebuilds and step > 0 and step % self.recraft_every == 0)

@@ -19,7 +19,10 @@ import torch
 
 from .auditor import PrivacyAuditor
 from .bugs import BUGS, inject_bug, list_bugs
-from .digits import make_private_digits, train_steps
+from .digits import digits_holdout, make_private_digits, train_steps
+from .input_canaries import INPUT_KINDS, InputCanaries
+
+HOLDOUT = 256  # digits left out of training for input canaries
 from .results import AuditResult
 
 __all__ = ["BUGS", "PrivacyAuditFailure", "audit_optimizer", "inject_bug", "list_bugs", "train_audited"]
@@ -42,15 +45,22 @@ def train_audited(
     transform: Optional[Callable] = None,
     stop_on_violation: bool = False,
     return_observations: bool = False,
+    holdout: int = 0,
     **auditor_options,
 ):
     """Train the digits CNN for `steps` noised steps under a PrivacyAuditor; return its result.
 
     transform(optimizer) may replace or modify the Opacus optimizer before the audit
     attaches (for example to inject a bug or build a user's optimizer class). With
-    return_observations, returns (result, observations) instead.
+    return_observations, returns (result, observations) instead. Input canaries get the
+    last HOLDOUT digits, left out of training, as their in-distribution sample.
     """
+    canary = auditor_options.get("canary")
+    if (isinstance(canary, InputCanaries) or canary in INPUT_KINDS) and "canary_inputs" not in auditor_options:
+        holdout = holdout or HOLDOUT
+        auditor_options["canary_inputs"], auditor_options["canary_labels"] = digits_holdout(holdout, dtype=dtype)
     model, optimizer, loader, _ = make_private_digits(
+        holdout=holdout,
         noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm,
         batch_size=batch_size,

@@ -265,3 +265,28 @@ def test_bad_setups_fail_before_training(tmp_path):
 def test_state_key_distinguishes_settings():
     assert DPAuditCallback(canary="dirac").state_key != DPAuditCallback(canary="random").state_key
     assert math.isfinite(DPAuditCallback().log_every_n_steps)
+
+
+# ------------------------------------------------------------------ input canaries
+
+
+class PrivateWithForward(Private):
+    def forward(self, images):
+        return self.model(images)
+
+
+def test_input_canaries_under_the_trainer(tmp_path):
+    from lightning_dpaudit.digits import digits_holdout
+
+    inputs, labels = digits_holdout(64)
+    callback = DPAuditCallback(
+        canary="mislabeled", canary_inputs=inputs, canary_labels=labels, canaries_per_step=16, seed=0,
+        log_every_n_steps=5,
+    )
+    _fit(tmp_path, steps=20, callback=callback, module=PrivateWithForward(), logger=CSVLogger(tmp_path))
+    result = callback.auditor.result()
+    assert result.canary == "mislabeled" and result.steps == 20 and result.n_in > 0 and not result.violation
+    assert callback.state_key.startswith("DPAuditCallback{'canary': 'mislabeled'")
+    # the Lightning pattern hooks the module in place; without a forward the callback says so before training
+    with pytest.raises(ValueError, match="cannot take canary inputs"):
+        _fit(tmp_path, steps=2, callback=DPAuditCallback(canary="blank", canary_inputs=inputs, canary_labels=labels))

@@ -1,62 +1,185 @@
-"""Construction of input-space canaries (injection into the audit is not built yet)."""
+"""Input-space canaries: construction of each kind, injection through Opacus's own machinery, errors."""
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
-from lightning_dpaudit.digits import DigitsCNN, digits_dataset
-from lightning_dpaudit.input_canaries import gradient_cosine, make_input_canary, mean_gradient
+from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit.bugs import inject_bug
+from lightning_dpaudit.digits import DigitsCNN, digits_holdout, make_private_digits, train_steps
+from lightning_dpaudit.input_canaries import InputCanaries, make_input_canaries, mean_gradient, per_example_gradients
+from lightning_dpaudit.input_probe import pivoted_cholesky
+from lightning_dpaudit.testing import train_audited
+
+warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+KINDS = ["mislabeled", "blank", "adversarial", "crafted"]
 
 
 @pytest.fixture(scope="module")
-def setting():
+def sample():
     torch.manual_seed(0)
-    data = digits_dataset()
-    inputs, labels = data.tensors[0][:256], data.tensors[1][:256]
+    inputs, labels = digits_holdout(256)
     return DigitsCNN(), inputs, labels
 
 
-def test_blank_and_mislabeled(setting):
-    model, inputs, labels = setting
-    g = torch.Generator().manual_seed(1)
-    x, y = make_input_canary("blank", model, inputs, labels, num_classes=10, generator=g)
-    assert x.shape == inputs[0].shape and torch.count_nonzero(x) == 0 and 0 <= int(y) < 10
-    g = torch.Generator().manual_seed(2)
-    x, y = make_input_canary("mislabeled", model, inputs, labels, num_classes=10, generator=g)
-    original = [i for i in range(len(inputs)) if torch.equal(inputs[i], x)]
-    assert original and all(int(labels[i]) != int(y) for i in original)
+def _build(kind, model, inputs, labels, seed, **options):
+    g = torch.Generator().manual_seed(seed)
+    return make_input_canaries(kind, model, inputs, labels, count=16, num_classes=10, generator=g, **options)
 
 
-def test_adversarial_raises_its_loss_within_the_ball(setting):
-    model, inputs, labels = setting
-    g = torch.Generator().manual_seed(3)
-    x, y = make_input_canary("adversarial", model, inputs, labels, num_classes=10, steps=10, generator=g)
-    source = torch.Generator().manual_seed(3)
-    pick = int(torch.randint(len(inputs), (1,), generator=source))
-    loss = torch.nn.CrossEntropyLoss()
-    assert torch.max(torch.abs(x - inputs[pick])) <= 0.3 + 1e-6
-    assert loss(model(x[None]), y[None]) > loss(model(inputs[pick : pick + 1]), labels[pick : pick + 1])
+# ------------------------------------------------------------------ construction
 
 
-def test_crafted_canary_is_nearly_orthogonal_to_the_mean_gradient(setting):
-    model, inputs, labels = setting
+def test_blank_and_mislabeled(sample):
+    model, inputs, labels = sample
+    x, y = _build("blank", model, inputs, labels, 1)
+    assert x.shape == (16, *inputs.shape[1:]) and torch.count_nonzero(x) == 0
+    assert set(y.tolist()) == set(range(10))  # labels cycle through the classes
+    x, y = _build("mislabeled", model, inputs, labels, 2)
+    for xi, yi in zip(x, y):
+        sources = [i for i in range(len(inputs)) if torch.equal(inputs[i], xi)]
+        assert sources and all(int(labels[i]) != int(yi) for i in sources)
+
+
+def test_adversarial_raises_each_loss_within_the_ball(sample):
+    model, inputs, labels = sample
+    x, y = _build("adversarial", model, inputs, labels, 3, steps=10)
+    clean, _ = _build("mislabeled", model, inputs, labels, 3)  # same draw of source examples
+    loss = torch.nn.CrossEntropyLoss(reduction="none")
+    assert torch.max(torch.abs(x - clean)) <= 0.3 + 1e-6
+    with torch.no_grad():
+        assert torch.all(loss(model(x), y) > loss(model(clean), y))
+
+
+def test_crafted_canaries_reduce_the_cosine_with_the_mean_gradient(sample):
+    model, inputs, labels = sample
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     reference = mean_gradient(model, loss_fn, inputs, labels)
-    g = torch.Generator().manual_seed(4)
-    x, y = make_input_canary("crafted", model, inputs, labels, num_classes=10, steps=60, generator=g)
-    source = torch.Generator().manual_seed(4)
-    pick = int(torch.randint(len(inputs), (1,), generator=source))
-    before = abs(gradient_cosine(model, loss_fn, inputs[pick : pick + 1], labels[pick : pick + 1], reference))
-    after = abs(gradient_cosine(model, loss_fn, x[None], y[None], reference))
+    x, y = _build("crafted", model, inputs, labels, 4, steps=60)
+    start, _ = _build("mislabeled", model, inputs, labels, 4)  # the same held-out examples, before crafting
+
+    def mean_abs_cosine(points):
+        g = per_example_gradients(model, loss_fn, points, y)
+        return float(torch.nn.functional.cosine_similarity(g, reference[None], dim=1).abs().mean())
+
+    before, after = mean_abs_cosine(start), mean_abs_cosine(x)
     assert after < 0.5 * before, (before, after)
 
 
-def test_bad_input_is_refused(setting):
-    model, inputs, labels = setting
-    with pytest.raises(ValueError, match="input canary kinds are mislabeled, blank, adversarial, crafted"):
-        make_input_canary("golden", model, inputs, labels, num_classes=10)
-    with pytest.raises(ValueError, match="sample of in-distribution inputs"):
-        make_input_canary("crafted", model, inputs[:0], labels[:0], num_classes=10)
+def test_pivoted_cholesky_orders_by_residual_and_factors_the_gram_matrix():
+    rng = np.random.default_rng(0)
+    d = rng.standard_normal((5, 40))
+    d[3] = d[1]  # a duplicate: nothing of its own, so it is taken last with a zero diagonal
+    gram = d @ d.T
+    chol, order = pivoted_cholesky(gram)
+    assert np.allclose(chol @ chol.T, gram[np.ix_(order, order)], atol=1e-9)
+    assert order[-1] in (1, 3) and abs(chol[-1, -1]) < 1e-6
+    assert np.diag(chol)[0] == pytest.approx(np.sqrt(np.max(np.diag(gram))))
+
+
+# ------------------------------------------------------------------ injection
+
+
+def _params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_injection_leaves_the_update_unchanged(kind):
+    inputs, labels = digits_holdout(64)
+    runs = {}
+    for audited in (False, True):
+        torch.manual_seed(11)
+        model, opt, loader, _ = make_private_digits(noise_multiplier=1.0, seed=5, holdout=64)
+        if audited:
+            auditor = PrivacyAuditor(
+                opt, canary=kind, module=model, canary_inputs=inputs, canary_labels=labels,
+                canaries_per_step=8, recraft_every=5, seed=0,
+            )
+            auditor.input.options["steps"] = 3  # a few crafting steps are enough here
+        train_steps(model, opt, loader, 12)
+        runs[audited] = (_params(model), opt.generator.get_state(), torch.get_rng_state())
+    assert torch.max(torch.abs(runs[False][0] - runs[True][0])).item() <= 1e-6
+    assert torch.equal(runs[False][1], runs[True][1]), "the optimizer's noise stream was touched"
+    assert torch.equal(runs[False][2], runs[True][2]), "the auditor drew from torch's global generator"
+    result = auditor.result()
+    assert result.canary == kind and result.n_in > 0 and result.n_out > 0 and not result.violation
+    if kind in ("adversarial", "crafted"):
+        assert auditor.input.builds == 3  # steps 0, 5 and 10
+
+
+def test_observations_are_unit_shifted_gaussians_with_noise_at_least_sigma():
+    # 200 steps x 32 canaries; only canaries keeping >= 0.9 of their own direction are observed.
+    result, obs = train_audited(steps=200, canary="mislabeled", canaries_per_step=32, return_observations=True)
+    ins, outs = obs["value"][obs["is_in"]], obs["value"][~obs["is_in"]]
+    assert len(ins) > 300 and len(outs) > 300
+    # out ~ N(0, s^2), in ~ N(1, s^2) with s >= sigma = 1: the means lie within 5 standard errors
+    # (false failure < 1e-5), the spread is at least sigma.
+    assert abs(outs.mean()) < 5 * outs.std() / np.sqrt(len(outs))
+    assert abs(ins.mean() - 1.0) < 5 * ins.std() / np.sqrt(len(ins))
+    assert outs.std() > 0.95 and not result.violation
+    assert set(obs["layer"]) == {0} and result.layers[0].name == "all parameters"
+
+
+def test_paired_mode_and_the_observation_window():
+    result, obs = train_audited(steps=30, canary="blank", mode="paired", canaries_per_step=10, return_observations=True)
+    assert result.n_in == result.n_out > 0 and not result.violation
+    windowed, obs = train_audited(steps=30, canary="blank", canaries_per_step=10, observe_steps=12, return_observations=True)
+    assert windowed.steps == 30 and obs["step"].max() == 11
+
+
+@pytest.mark.parametrize("bug", ["no-noise", "reused-noise"])
+def test_input_canaries_catch_bugs(bug):
+    result = train_audited(steps=150, canary="mislabeled", canaries_per_step=16, stop_on_violation=True,
+                           transform=lambda o: inject_bug(o, bug))
+    assert result.violation, result
+
+
+def test_state_round_trip_keeps_the_canaries():
+    inputs, labels = digits_holdout(64)
+    model, opt, loader, _ = make_private_digits(holdout=64)
+    auditor = PrivacyAuditor(opt, canary="mislabeled", module=model, canary_inputs=inputs, canary_labels=labels,
+                             canaries_per_step=8, seed=1)
+    train_steps(model, opt, loader, 3)
+    state = auditor.state_dict()
+    auditor.detach()
+    again = PrivacyAuditor(opt, canary="mislabeled", module=model, canary_inputs=inputs, canary_labels=labels,
+                           canaries_per_step=8, seed=2)
+    again.load_state_dict(state)
+    assert torch.equal(again.input.x, auditor.input.x) and torch.equal(again.input.y, auditor.input.y)
+    assert again.steps == 3 and again.result().n_in == auditor.result().n_in
+
+
+# ------------------------------------------------------------------ errors at attach time
+
+
+def test_bad_input_is_refused_at_attach_time():
+    inputs, labels = digits_holdout(64)
+    model, opt, _, _ = make_private_digits(holdout=64)
+
+    def attach(**options):
+        merged = {"canary": "crafted", "module": model, "canary_inputs": inputs, "canary_labels": labels, **options}
+        return PrivacyAuditor(opt, **merged)
+
+    with pytest.raises(ValueError, match="need a sample of in-distribution inputs"):
+        attach(canary_inputs=None)
+    with pytest.raises(ValueError, match="cannot take canary inputs of shape \\(1, 4, 4\\)"):
+        attach(canary_inputs=inputs[:, :, :4, :4])
+    with pytest.raises(ValueError, match="model's dtype torch.float32; got torch.float64"):
+        attach(canary_inputs=inputs.double())
     with pytest.raises(ValueError, match="integers in \\[0, 10\\)"):
-        make_input_canary("blank", model, inputs, labels + 10, num_classes=10)
-    with pytest.raises(ValueError, match="has 256 examples but `labels` has 3"):
-        make_input_canary("blank", model, inputs, labels[:3], num_classes=10)
+        attach(canary_labels=labels + 10)
+    with pytest.raises(ValueError, match="has 64 examples but `labels` has 3"):
+        attach(canary_labels=labels[:3])
+    with pytest.raises(TypeError, match="not an Opacus GradSampleModule"):
+        attach(module=DigitsCNN())
+    with pytest.raises(ValueError, match="need the model: pass `module=`"):
+        attach(module=None)
+    with pytest.raises(ValueError, match="input canary kinds are mislabeled, blank, adversarial, crafted"):
+        InputCanaries("golden", inputs=inputs, labels=labels)
+    with pytest.raises(ValueError, match="`recraft_every`: 0"):
+        attach(recraft_every=0)
+    with pytest.raises(ValueError, match="`observe_steps`: 0"):
+        attach(observe_steps=0)
