@@ -1,6 +1,6 @@
 """The bug zoo against the auditor at default settings: when does the alarm fire?
 
-    .venv/bin/python bench/bug_zoo.py [--steps 1000] [--seed 0]
+    .venv/bin/python bench/bug_zoo.py [--steps 1000] [--seed 0] [--canary dirac] [--canaries 128]
 """
 
 import argparse
@@ -16,6 +16,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--canary", default="dirac", help="canary kind (gradient or input)")
+    parser.add_argument("--canaries", type=int, default=128, help="canaries per step")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print("| bug | claimed sigma | first alarm (step) | violating | mu anytime / claimed |")
@@ -26,6 +28,7 @@ def main():
         sigma = SIGMA.get(bug, 1.0)
         r = train_audited(
             steps=args.steps, noise_multiplier=sigma, seed=args.seed, stop_on_violation=True,
+            canary=args.canary, canaries_per_step=args.canaries,
             transform=(lambda opt, b=bug: inject_bug(opt, b)) if bug else None,
         )
         first = r.first_violation_step if r.violation else f"none in {r.steps}"
