@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import estimators as est
-from .canaries import KINDS, CanarySampler, choose_pool
+from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
 from .input_canaries import INPUT_KINDS, InputCanaries
 from .input_probe import InputProbe, check_input_model
 from .monitor import POOLED, AnytimeMonitor
@@ -171,20 +171,19 @@ class PrivacyAuditor:
             self.sampler = CanarySampler(
                 sizes, kind=canary, per_step=canaries_per_step, moving=moving, support=support, rng=self.rng
             )
-            pool, pool_size = self.sampler.pool, self.sampler.pool_size
+            pool = self.sampler.pool
             layer_mu = {i: float(m) for i, m in enumerate(layer_mu)}
         else:
             self.sampler = None
-            pool = choose_pool(sizes, 8192, self.rng)
-            pool_size = sum(len(p) for p in pool)
+            pool = choose_pool(sizes, DEFAULT_POOL, self.rng)
             layer_mu = {0: self.mu_claimed}
-            offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.probe = GradientProbe(params, pool, clip, canary_scale)
+        if self.input is not None:
             self.input_probe = InputProbe(
                 params, module, self.input, clip, per_layer=per_layer, max_grad_norm=float(optimizer.max_grad_norm),
-                loss_reduction=optimizer.loss_reduction, pool=np.concatenate([i + o for i, o in zip(pool, offsets)]),
+                loss_reduction=optimizer.loss_reduction, pool=self.probe.pool,
             )
-        self.probe = GradientProbe(params, pool, clip, canary_scale)
-        self.memory = NoiseMemory(pool_size)
+        self.memory = NoiseMemory(len(self.probe.pool))
         self.log = ObservationLog(list(KINDS + INPUT_KINDS))
         self.monitor = AnytimeMonitor(layer_mu, self.mu_claimed, confidence=confidence)
         self.steps = 0
@@ -228,54 +227,54 @@ class PrivacyAuditor:
             self._check()
 
     def _gradient_step(self) -> None:
-        params = self.probe.params
-        data_sum = [p.summed_grad for p in params]
-        if self.mode == "one-run":
-            canaries = self.sampler.next_step()
-            added = self._add_canaries(canaries, data_sum)
-            self._release()
-            self._observe(data_sum, added, canaries, canaries.is_in)
-            for p, k in zip(params, added):
-                p.grad.sub_(k.view_as(p.grad))
-        else:
-            canaries = self.sampler.next_step(all_in=True)
-            self._release()
-            released = [p.grad.detach().clone() for p in params]
-            self._observe(data_sum, None, canaries, np.zeros(len(canaries.tensor), bool))
-            added = self._add_canaries(canaries, data_sum)
-            self._release()
-            self._observe(data_sum, added, canaries, np.ones(len(canaries.tensor), bool))
-            for p, r in zip(params, released):
-                p.grad = r
-        _restore_summed(params, data_sum)
+        canaries = self.sampler.next_step(all_in=self.mode == "paired")
+        self._privatize(
+            lambda which: self.probe.canary_rows(canaries, which),
+            lambda data_sum, added, is_in: self._observe(data_sum, added, canaries, is_in),
+            canaries.is_in,
+        )
 
     def _input_step(self) -> None:
         """One noised step with input canaries (see input_probe for the observations)."""
-        params, probe, spec = self.probe.params, self.input_probe, self.input
-        data_sum = [p.summed_grad for p in params]
+        probe, spec = self.input_probe, self.input
         if spec.due(self.steps):
             spec.build(self.model, self.per_step, torch.Generator().manual_seed(int(self.rng.integers(2**62))))
         probe.prepare(probe.gradients())
         k = len(spec.x)
+        is_in = np.ones(k, dtype=bool)
         if self.mode == "one-run":
-            is_in = np.zeros(k, dtype=bool)
+            is_in[:] = False
             is_in[self.rng.permutation(k)[: k // 2]] = True
-            added = self._add_rows(probe.canary_rows(is_in), data_sum)
+        self._privatize(probe.canary_rows, self._observe_input, is_in)
+
+    def _privatize(self, rows_of, observe, is_in) -> None:
+        """Release the step with canaries and observe them; leave the un-audited update.
+
+        rows_of(which): the selected canaries' per-sample rows; observe(data_sum, added,
+        is_in): record a release. one-run: the `is_in` canaries enter the one release and
+        their clipped sum is removed after. paired: the real release carries none (all
+        out), a second privatization of data + all canaries gives the in-observations.
+        """
+        params = self.probe.params
+        data_sum = [p.summed_grad for p in params]
+        if self.mode == "one-run":
+            added = self._add_rows(rows_of(is_in), data_sum)
             self._release()
-            self._observe_input(data_sum, added, is_in)
-            for p, a in zip(params, added):
-                p.grad.sub_(a.view_as(p.grad))
+            observe(data_sum, added, is_in)
+            for p, k in zip(params, added):
+                p.grad.sub_(k.view_as(p.grad))
         else:
             self._release()
             released = [p.grad.detach().clone() for p in params]
-            self._observe_input(data_sum, None, np.zeros(k, dtype=bool))
-            everything = np.ones(k, dtype=bool)
-            added = self._add_rows(probe.canary_rows(everything), data_sum)
+            observe(data_sum, None, np.zeros(len(is_in), bool))
+            added = self._add_rows(rows_of(is_in), data_sum)
             self._release()
-            self._observe_input(data_sum, added, everything)
+            observe(data_sum, added, np.ones(len(is_in), bool))
             for p, r in zip(params, released):
                 p.grad = r
-        _restore_summed(params, data_sum)
+        for p, s in zip(params, data_sum):  # summed_grad as the un-audited step leaves it
+            p.summed_grad = s
+            s._processed = True
 
     def _observe_input(self, data_sum, added, is_in) -> None:
         probe = self.input_probe
@@ -287,10 +286,6 @@ class PrivacyAuditor:
         layers = np.zeros(len(values), dtype=int)
         self.log.append(step=self.steps, layer=layers, kind=self.canary, is_in=is_in[observed], value=values)
         self.monitor.update(layers, is_in[observed], values)
-
-    def _add_canaries(self, canaries, data_sum):
-        """Gradient canary rows through the optimizer's own clipping."""
-        return self._add_rows(self.probe.canary_rows(canaries, canaries.is_in), data_sum)
 
     def _add_rows(self, rows, data_sum):
         """Per-sample rows through the optimizer's own clipping; summed_grad becomes data + rows."""
@@ -421,13 +416,6 @@ class PrivacyAuditor:
         self.memory.load_state_dict(state["memory"])
         self.log.load_state_dict(state["log"])
         self.monitor.load_state_dict(state["monitor"])
-
-
-def _restore_summed(params, data_sum) -> None:
-    """summed_grad as the un-audited step leaves it."""
-    for p, s in zip(params, data_sum):
-        p.summed_grad = s
-        s._processed = True
 
 
 def _layer_names(params, module) -> list:

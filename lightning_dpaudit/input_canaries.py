@@ -79,20 +79,14 @@ def hooks_disabled(model: nn.Module):
             setattr(module, name, hooks)
 
 
-def flat_gradient(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, *, create_graph=False):
+def flat_gradient(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor):
     """grad_theta loss_fn(model(x), y) as one flat vector (loss_fn sums over the batch)."""
     module = plain_module(model)
     params = [p for p in module.parameters() if p.requires_grad]
     with hooks_disabled(model), torch.enable_grad():
         loss = loss_fn(module(x), y)
-        grads = torch.autograd.grad(loss, params, create_graph=create_graph)
+        grads = torch.autograd.grad(loss, params)
     return torch.cat([g.reshape(-1) for g in grads])
-
-
-def gradient_cosine(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, reference: torch.Tensor) -> float:
-    """cos(grad_theta l(x, y), reference) for one example."""
-    g = flat_gradient(model, loss_fn, x, y)
-    return float(torch.nn.functional.cosine_similarity(g, reference, dim=0))
 
 
 def mean_gradient(model: nn.Module, loss_fn: Callable, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -161,12 +155,6 @@ def make_input_canaries(
         return _pgd(model, loss_fn, x, y, steps=steps, step_size=step_size, radius=epsilon), y
     reference = mean_gradient(model, loss_fn, inputs, labels)
     return craft(model, loss_fn, x, y, reference, steps=steps, step_size=step_size), y
-
-
-def make_input_canary(kind: str, model: nn.Module, inputs, labels, **options) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One canary (input of shape inputs[0].shape, label); see make_input_canaries."""
-    x, y = make_input_canaries(kind, model, inputs, labels, count=1, **options)
-    return x[0], y[0]
 
 
 def _pgd(model, loss_fn, x, y, *, steps, step_size, radius):

@@ -17,7 +17,8 @@ everything but the noise and the one canary's presence), and the orthonormal q m
 z_m independent. obs_m is N(b_m, (s C / L_mm)^2): the canary is (L_mm / (s C))-GDP, at
 most the claimed 1/s since L_mm <= ||d_m|| <= C. Canaries whose direction lies almost in
 the span of the earlier ones (L_mm < min_strength * C, for example two blank canaries
-with one label, or gradients shorter than the bound) are not observed: that choice depends on the gradients, not the noise.
+with one label, or gradients shorter than the bound) are not observed: that choice
+depends on the gradients, not the noise.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .input_canaries import InputCanaries, grad_sample_wrapper
+from .input_canaries import InputCanaries, check_sample, grad_sample_wrapper, hooks_disabled, plain_module
 
 
 class InputProbe:
@@ -42,7 +43,7 @@ class InputProbe:
         per_layer: bool,
         max_grad_norm: float,
         loss_reduction: str,
-        pool: np.ndarray,
+        pool: torch.Tensor,
     ):
         self.params = list(params)
         self.model = model
@@ -51,7 +52,7 @@ class InputProbe:
         self.per_layer = per_layer
         self.max_grad_norm = float(max_grad_norm)
         self.loss_reduction = loss_reduction
-        self.pool = torch.as_tensor(pool)
+        self.pool = pool  # flat coordinates of the noise-freshness pool
         self._grads: List[torch.Tensor] = []
         self._chol = None  # L, lower triangular (k, k), float64
         self._directions = None  # D, (k, d) float64
@@ -185,8 +186,6 @@ def check_input_model(model, params, canaries: InputCanaries) -> None:
             f"{x.dtype if torch.is_tensor(x) else type(x).__name__}"
         )
     try:
-        from .input_canaries import hooks_disabled, plain_module
-
         with torch.no_grad(), hooks_disabled(model):
             out = plain_module(model)(x[:2])
     except Exception as error:  # the model's own message says what it expected
@@ -195,6 +194,4 @@ def check_input_model(model, params, canaries: InputCanaries) -> None:
     canaries.num_classes = canaries.num_classes or int(width)
     labels = canaries.labels
     if canaries.kind != "blank" or labels is not None:
-        from .input_canaries import check_sample
-
         check_sample(x, labels, canaries.num_classes)
