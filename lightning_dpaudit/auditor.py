@@ -117,7 +117,7 @@ class PrivacyAuditor:
         canary_inputs: Optional[torch.Tensor] = None,
         canary_labels: Optional[torch.Tensor] = None,
         loss_fn: Optional[Callable] = None,
-        recraft_every: Optional[int] = 100,
+        recraft_every="auto",
         observe_steps: Optional[int] = None,
     ):
         _check_optimizer(optimizer)
@@ -145,6 +145,7 @@ class PrivacyAuditor:
         self.input = canary if isinstance(canary, InputCanaries) else None
         if self.input is not None:
             check_input_model(module, list(optimizer.params), self.input)
+            self.input.options["norm_floor"] = float(optimizer.max_grad_norm)
         elif canary not in KINDS:
             raise ValueError(
                 f"Unexpected value for `canary`: {canary!r}; valid kinds are {', '.join(KINDS + INPUT_KINDS)} "

@@ -9,7 +9,8 @@ the auditor may see (held out from training):
     crafted      Algorithm 3: from held-out examples x, Adam steps on x that minimise
                  |cos(grad_theta l(theta; x, y), g_dist)|, g_dist the mean gradient of
                  the in-distribution sample, so each canary's gradient is nearly
-                 orthogonal to what the data pushes
+                 orthogonal to what the data pushes; here also to each other's, and
+                 with a wrong label, so that the gradient stays above the clipping bound
 
 Everything here reads the model's parameters and never changes them. A model wrapped by
 Opacus (a GradSampleModule, or a module whose submodules carry its hooks) has its
@@ -19,14 +20,15 @@ per-sample-gradient hooks switched off while canaries are built.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 INPUT_KINDS = ("mislabeled", "blank", "adversarial", "crafted")
-SPREAD = 5.0  # weight of mutual orthogonality in crafting (measured: 31 of 32 canaries keep >= 0.9 of their direction)
+RECRAFT_EVERY = {"adversarial": 100, "crafted": 20}  # recraft_every="auto": noised steps between rebuilds
+SPREAD = 5.0  # weight of mutual orthogonality (log det) in crafting; see README "Input canaries" for the measurements
 
 
 def plain_module(model: nn.Module) -> nn.Module:
@@ -129,6 +131,7 @@ def make_input_canaries(
     steps: int = 50,
     step_size: float = 0.05,
     epsilon: float = 0.3,
+    norm_floor: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """`count` canaries (inputs of shape (count, *inputs.shape[1:]), labels) of one kind.
@@ -136,7 +139,8 @@ def make_input_canaries(
     inputs/labels: in-distribution examples the auditor may see (held out from training);
     "blank" needs only their shape. Source examples are drawn without replacement while
     the sample lasts. steps/step_size: the optimisation of "adversarial" (PGD within an
-    L-inf ball of radius epsilon) and "crafted" (Algorithm 3, Adam).
+    L-inf ball of radius epsilon) and "crafted" (Algorithm 3, Adam); norm_floor: the
+    gradient norm crafting keeps each canary above (the clipping bound C; None: no floor).
     """
     if kind not in INPUT_KINDS:
         raise ValueError(f"Unexpected value for `canary`: {kind!r}; input canary kinds are {', '.join(INPUT_KINDS)}")
@@ -148,13 +152,13 @@ def make_input_canaries(
     if kind == "blank":
         start = int(torch.randint(num_classes, (1,), generator=generator))
         return torch.zeros_like(x), (start + torch.arange(count)) % num_classes
-    if kind == "mislabeled":
-        shift = torch.randint(1, num_classes, (count,), generator=generator)
-        return x, (y + shift) % num_classes
     if kind == "adversarial":
         return _pgd(model, loss_fn, x, y, steps=steps, step_size=step_size, radius=epsilon), y
+    y = (y + torch.randint(1, num_classes, (count,), generator=generator)) % num_classes  # a wrong label
+    if kind == "mislabeled":
+        return x, y
     reference = mean_gradient(model, loss_fn, inputs, labels)
-    return craft(model, loss_fn, x, y, reference, steps=steps, step_size=step_size), y
+    return craft(model, loss_fn, x, y, reference, steps=steps, step_size=step_size, norm_floor=norm_floor), y
 
 
 def _pgd(model, loss_fn, x, y, *, steps, step_size, radius):
@@ -170,12 +174,16 @@ def _pgd(model, loss_fn, x, y, *, steps, step_size, radius):
     return x.detach()
 
 
-def craft(model, loss_fn, x, y, reference, *, steps, step_size, spread: float = SPREAD):
+def craft(model, loss_fn, x, y, reference, *, steps, step_size, spread: float = SPREAD, norm_floor=None):
     """Algorithm 3 for a batch: Adam steps on x minimising sum_i |cos(g_i, g_dist)|.
 
     g_i = grad_theta l(theta; x_i, y_i). With spread > 0 the objective also has
-    spread * sum_{i != j} cos(g_i, g_j)^2 / (k - 1): canaries observed in the same step
-    are more informative when their gradients are mutually orthogonal too (input_probe).
+    -spread * log det(U U^T + 1e-4 I), U the rows g_i / ||g_i||: the log determinant is
+    at most 0, reached when the gradients are mutually orthogonal, and it is the sum of
+    2 log of each canary's share of its direction beyond the others' (Cholesky of
+    U U^T); canaries observed in the same step keep more of their strength (input_probe).
+    With norm_floor C, also spread * sum_i relu(1 - ||g_i|| / C)^2: a gradient shorter
+    than the clipping bound is a weaker canary.
     """
     reference = reference / reference.norm()
     k = len(x)
@@ -185,8 +193,10 @@ def craft(model, loss_fn, x, y, reference, *, steps, step_size, spread: float = 
         unit = g / g.norm(dim=1, keepdim=True).clamp_min(1e-12)
         value = (unit @ reference).abs().sum()
         if spread and k > 1:
-            cos = unit @ unit.T
-            value = value + spread * (cos.pow(2).sum() - cos.diagonal().pow(2).sum()) / (k - 1)
+            gram = unit @ unit.T + 1e-4 * torch.eye(k, dtype=unit.dtype, device=unit.device)
+            value = value - spread * torch.linalg.slogdet(gram)[1]
+        if norm_floor:
+            value = value + spread * torch.relu(1.0 - g.norm(dim=1) / norm_floor).pow(2).sum()
         return value
 
     x = x.detach().clone()
@@ -206,12 +216,15 @@ class InputCanaries:
     auditor may see, held out from training (for "blank" only the input shape and dtype
     are used). loss_fn(outputs, labels): the training loss summed over the batch
     (default: cross-entropy). recraft_every: noised steps between rebuilds of
-    "adversarial" and "crafted" canaries from the current parameters (None: build once);
-    craft_steps/step_size/epsilon: their optimisation (see make_input_canaries); a rebuild
+    "adversarial" and "crafted" canaries from the current parameters ("auto": 100 and
+    20, RECRAFT_EVERY; None: build once);
+    craft_steps/step_size/epsilon: their optimisation (see make_input_canaries; the
+    auditor sets options["norm_floor"] to the optimizer's clipping bound); a rebuild
     of "crafted" starts from the previous canaries and takes craft_steps // 5 steps.
     num_classes: labels lie in [0, num_classes) (default: the model's output width).
-    min_strength: a canary is observed in a step only if it keeps at least this share of
-    its clipped direction after the other canaries' directions are projected out.
+    min_strength: a canary is observed in a step only if its strength F_mm / C, the share
+    of its clipped direction left to it beside the other canaries' (input_probe), is at
+    least this.
     """
 
     def __init__(
@@ -221,7 +234,7 @@ class InputCanaries:
         inputs: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         loss_fn: Optional[Callable] = None,
-        recraft_every: Optional[int] = 100,
+        recraft_every: Union[int, str, None] = "auto",
         craft_steps: int = 100,
         step_size: float = 0.2,
         epsilon: float = 0.3,
@@ -230,8 +243,10 @@ class InputCanaries:
     ):
         if kind not in INPUT_KINDS:
             raise ValueError(f"Unexpected value for `canary`: {kind!r}; input canary kinds are {', '.join(INPUT_KINDS)}")
-        if recraft_every is not None and int(recraft_every) < 1:
-            raise ValueError(f"Unexpected value for `recraft_every`: {recraft_every}; use an integer >= 1 or None")
+        if recraft_every == "auto":
+            recraft_every = RECRAFT_EVERY.get(kind)
+        if recraft_every is not None and (isinstance(recraft_every, str) or int(recraft_every) < 1):
+            raise ValueError(f"Unexpected value for `recraft_every`: {recraft_every}; use an integer >= 1, 'auto' or None")
         if inputs is None or len(inputs) == 0:
             raise ValueError(
                 f"{kind!r} canaries need a sample of in-distribution inputs: pass `canary_inputs` and `canary_labels` "
@@ -241,7 +256,7 @@ class InputCanaries:
         self.inputs, self.labels = inputs, labels
         self.loss_fn = loss_fn or nn.CrossEntropyLoss(reduction="sum")
         self.recraft_every = None if recraft_every is None else int(recraft_every)
-        self.options = {"steps": int(craft_steps), "step_size": float(step_size), "epsilon": float(epsilon)}
+        self.options = {"steps": int(craft_steps), "step_size": float(step_size), "epsilon": float(epsilon), "norm_floor": None}
         if not 0.0 < float(min_strength) <= 1.0:
             raise ValueError(f"Unexpected value for `min_strength`: {min_strength}; it must lie in (0, 1]")
         self.num_classes = num_classes
@@ -259,7 +274,10 @@ class InputCanaries:
         if self.kind == "crafted" and self.x is not None and len(self.x) == count:
             reference = mean_gradient(model, self.loss_fn, self.inputs, self.labels)
             steps = max(1, self.options["steps"] // 5)
-            self.x = craft(model, self.loss_fn, self.x, self.y, reference, steps=steps, step_size=self.options["step_size"])
+            self.x = craft(
+                model, self.loss_fn, self.x, self.y, reference, steps=steps, step_size=self.options["step_size"],
+                norm_floor=self.options["norm_floor"],
+            )
             self.builds += 1
             return
         self.x, self.y = make_input_canaries(

@@ -6,19 +6,25 @@ batch gradients are set aside and restored). The rows of the in-canaries then en
 optimizer's own clipping (GradientProbe.clip_alone). The observation direction of
 canary i is its clipped gradient d_i = clip(g_i).
 
-Observations, one per canary. With D the (k, d) matrix of directions, Cholesky
-D D^T = L L^T gives orthonormal q = L^-1 D, and with b the in/out vector:
+Observations, one per observed canary. With D the (k, d) matrix of directions of the
+observed canaries, G = D D^T and F = G^(1/2) its symmetric square root, q = F^-1 D is
+orthonormal, and with b the in/out vector (the known contributions of canaries that are
+not observed subtracted first):
 
-    y = q (R - S) = L^T b + z,   z ~ N(0, s^2 C^2 I)     (s the noise multiplier)
-    obs_m = (y_m - sum_{j > m} L_jm b_j) / L_mm = b_m + z_m / L_mm
+    y = q (R - S) = F b + z,   z ~ N(0, s^2 C^2 I)     (s the noise multiplier)
+    obs_m = (y_m - sum_{j != m} F_mj b_j) / F_mm = b_m + z_m / F_mm
 
 Removing the other canaries' known contributions is allowed (the adversary of DP knows
 everything but the noise and the one canary's presence), and the orthonormal q make the
-z_m independent. obs_m is N(b_m, (s C / L_mm)^2): the canary is (L_mm / (s C))-GDP, at
-most the claimed 1/s since L_mm <= ||d_m|| <= C. Canaries whose direction lies almost in
-the span of the earlier ones (L_mm < min_strength * C, for example two blank canaries
-with one label, or gradients shorter than the bound) are not observed: that choice
-depends on the gradients, not the noise.
+z_m independent. obs_m is N(b_m, (s C / F_mm)^2): the canary is (F_mm / (s C))-GDP, at
+most the claimed 1/s since F_mm^2 <= sum_j F_mj^2 = G_mm = ||d_m||^2 <= C^2. Of all
+factors F with F F^T = G, the symmetric root has the largest trace, so it keeps the most
+of the canaries' strength on average (a triangular Cholesky factor keeps the first
+canary whole and charges every overlap to the later ones). Canaries are chosen before
+the noise is seen, from their gradients alone: a pivoted Cholesky factorization takes
+those keeping at least min_strength * C of their direction beyond the earlier ones (so
+near-duplicates, and gradients shorter than the bound, are left out), then the weakest
+is dropped until every F_mm >= min_strength * C.
 """
 
 from __future__ import annotations
@@ -54,8 +60,11 @@ class InputProbe:
         self.loss_reduction = loss_reduction
         self.pool = pool  # flat coordinates of the noise-freshness pool
         self._grads: List[torch.Tensor] = []
-        self._chol = None  # L, lower triangular (k, k), float64
         self._directions = None  # D, (k, d) float64
+        self._gram = None  # D D^T, (k, k)
+        self._observed = None  # indices of the observed canaries
+        self._root = None  # F = G^(1/2) on the observed canaries
+        self._root_inverse = None  # F^-1
 
     # ------------------------------------------------------------------ gradients
 
@@ -91,10 +100,9 @@ class InputProbe:
         return self._grads
 
     def prepare(self, grads: List[torch.Tensor]) -> np.ndarray:
-        """Clip the canaries' gradients into directions D and factor D D^T; returns each canary's L_mm / C.
+        """Clip the canaries' gradients into directions D and choose which to observe; returns F_mm / C.
 
-        Pivoted Cholesky: canaries are taken in the order that keeps the most of each
-        one's own direction, so near-duplicates end up last and unobserved.
+        Canaries that are not observed this step get strength 0.
         """
         k = grads[0].shape[0]
         flat = [g.reshape(k, -1).double() for g in grads]
@@ -104,13 +112,12 @@ class InputProbe:
         else:
             total = norms.norm(dim=1, keepdim=True)
             factors = (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0).expand_as(norms)
-        directions = torch.cat([f * factors[:, i : i + 1] for i, f in enumerate(flat)], dim=1)
-        chol, order = pivoted_cholesky((directions @ directions.T).numpy())
-        self._order = order
-        self._chol = torch.as_tensor(chol)
-        self._directions = directions[torch.as_tensor(order)]
+        self._directions = torch.cat([f * factors[:, i : i + 1] for i, f in enumerate(flat)], dim=1)
+        self._gram = (self._directions @ self._directions.T).numpy()
+        floor = self.canaries.min_strength * self.max_grad_norm
+        self._observed, self._root, self._root_inverse = symmetric_decorrelation(self._gram, floor)
         strength = np.zeros(k)
-        strength[order] = np.diag(chol) / self.max_grad_norm
+        strength[self._observed] = np.diag(self._root) / self.max_grad_norm
         return strength
 
     def canary_rows(self, which: np.ndarray) -> List[torch.Tensor]:
@@ -136,36 +143,50 @@ class InputProbe:
         return out
 
     def project(self, difference: torch.Tensor, is_in: np.ndarray):
-        """(observed, values): which canaries are observed (in pivot order) and their observations."""
-        chol, order = self._chol, self._order
-        y = torch.linalg.solve_triangular(chol, (self._directions @ difference)[:, None], upper=False)[:, 0]
-        b = torch.as_tensor(np.asarray(is_in)[order], dtype=chol.dtype)
-        diag = torch.diagonal(chol)
-        kept = (diag / self.max_grad_norm).numpy() >= self.canaries.min_strength
-        others = chol.T @ b - diag * b  # sum_{j > m} L_jm b_j
-        values = ((y - others) / torch.where(diag > 0, diag, torch.ones_like(diag))).numpy()
-        return order[kept], values[kept]
+        """(observed, values): which canaries are observed and their observations b_m + noise."""
+        b = np.asarray(is_in, dtype=float)
+        observed = self._observed
+        hidden = np.ones(len(b), dtype=bool)
+        hidden[observed] = False
+        along = (self._directions @ difference).numpy()[observed]
+        along -= self._gram[np.ix_(observed, hidden)] @ b[hidden]  # canaries not observed, known
+        y = self._root_inverse @ along
+        root, b_observed = self._root, b[observed]
+        diag = np.diag(root)
+        values = (y - root @ b_observed + diag * b_observed) / diag
+        return observed, values
+
+
+def symmetric_decorrelation(gram: np.ndarray, floor: float):
+    """(observed, F, F^-1): canaries to observe and the symmetric root F of their Gram matrix.
+
+    Pivoted Cholesky keeps the canaries whose residual norm is at least `floor`; then the
+    one with the smallest F_mm is dropped until every F_mm >= floor.
+    """
+    chol, order = pivoted_cholesky(gram)
+    observed = np.sort(order[np.diag(chol) >= floor])
+    while len(observed):
+        values, vectors = np.linalg.eigh(gram[np.ix_(observed, observed)])
+        roots = np.sqrt(np.clip(values, 1e-300, None))
+        root = (vectors * roots) @ vectors.T
+        diag = np.diag(root)
+        if diag.min() >= floor:
+            return observed, root, (vectors / roots) @ vectors.T
+        observed = np.delete(observed, np.argmin(diag))
+    return observed, np.zeros((0, 0)), np.zeros((0, 0))
 
 
 def pivoted_cholesky(gram: np.ndarray):
-    """(L, order): gram[order][:, order] = L L^T, the largest remaining residual taken first."""
-    k = gram.shape[0]
-    order = np.arange(k)
-    chol = np.zeros((k, k))
-    residual = np.diag(gram).astype(float).copy()
-    tiny = 1e-12 * max(float(residual.max(initial=0.0)), 1e-300)
-    for m in range(k):
-        j = m + int(np.argmax(residual[order[m:]]))
-        order[[m, j]] = order[[j, m]]
-        chol[[m, j], :m] = chol[[j, m], :m]
-        pivot = residual[order[m]]
-        if pivot <= tiny:
-            break
-        chol[m, m] = np.sqrt(pivot)
-        rest = order[m + 1 :]
-        chol[m + 1 :, m] = (gram[rest, order[m]] - chol[m + 1 :, :m] @ chol[m, :m]) / chol[m, m]
-        residual[rest] -= chol[m + 1 :, m] ** 2
-    return chol, order
+    """(L, order): gram[order][:, order] = L L^T, the largest remaining residual taken first (LAPACK pstrf).
+
+    Past the numerical rank the factor is zero: those canaries have nothing of their own.
+    """
+    from scipy.linalg.lapack import dpstrf
+
+    factor, pivots, rank, _ = dpstrf(np.asarray(gram, dtype=float), lower=1, tol=-1)
+    chol = np.tril(factor)
+    chol[rank:, rank:] = 0.0
+    return chol, pivots - 1
 
 
 def check_input_model(model, params, canaries: InputCanaries) -> None:

@@ -9,8 +9,10 @@ import torch
 from lightning_dpaudit import PrivacyAuditor
 from lightning_dpaudit.bugs import inject_bug
 from lightning_dpaudit.digits import DigitsCNN, digits_holdout, make_private_digits, train_steps
-from lightning_dpaudit.input_canaries import InputCanaries, make_input_canaries, mean_gradient, per_example_gradients
-from lightning_dpaudit.input_probe import pivoted_cholesky
+from lightning_dpaudit.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
+from types import SimpleNamespace
+
+from lightning_dpaudit.input_probe import InputProbe, pivoted_cholesky
 from lightning_dpaudit.testing import train_audited
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
@@ -58,25 +60,54 @@ def test_crafted_canaries_reduce_the_cosine_with_the_mean_gradient(sample):
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     reference = mean_gradient(model, loss_fn, inputs, labels)
     x, y = _build("crafted", model, inputs, labels, 4, steps=60)
-    start, _ = _build("mislabeled", model, inputs, labels, 4)  # the same held-out examples, before crafting
+    start, _ = _build("mislabeled", model, inputs, labels, 4)  # the same held-out examples and labels, before crafting
+    alone = craft(model, loss_fn, start, y, reference, steps=60, step_size=0.2, spread=0.0)  # Algorithm 3 only
+
+    def gradients(points):
+        return per_example_gradients(model, loss_fn, points, y)
 
     def mean_abs_cosine(points):
-        g = per_example_gradients(model, loss_fn, points, y)
-        return float(torch.nn.functional.cosine_similarity(g, reference[None], dim=1).abs().mean())
+        return float(torch.nn.functional.cosine_similarity(gradients(points), reference[None], dim=1).abs().mean())
 
-    before, after = mean_abs_cosine(start), mean_abs_cosine(x)
-    assert after < 0.5 * before, (before, after)
+    def log_det(points):  # 0 exactly when the canaries' gradients are mutually orthogonal
+        unit = torch.nn.functional.normalize(gradients(points), dim=1)
+        return float(torch.linalg.slogdet(unit @ unit.T)[1])
+
+    before = mean_abs_cosine(start)
+    assert mean_abs_cosine(alone) < 0.5 * before, (before, mean_abs_cosine(alone))
+    assert mean_abs_cosine(x) < 0.6 * before, (before, mean_abs_cosine(x))  # while also spreading them apart:
+    assert log_det(x) > log_det(start) + 1.0, (log_det(start), log_det(x))
 
 
-def test_pivoted_cholesky_orders_by_residual_and_factors_the_gram_matrix():
-    rng = np.random.default_rng(0)
-    d = rng.standard_normal((5, 40))
-    d[3] = d[1]  # a duplicate: nothing of its own, so it is taken last with a zero diagonal
-    gram = d @ d.T
-    chol, order = pivoted_cholesky(gram)
-    assert np.allclose(chol @ chol.T, gram[np.ix_(order, order)], atol=1e-9)
-    assert order[-1] in (1, 3) and abs(chol[-1, -1]) < 1e-6
-    assert np.diag(chol)[0] == pytest.approx(np.sqrt(np.max(np.diag(gram))))
+def _probe_on(gradients, min_strength=0.9):
+    """An InputProbe for one flat parameter tensor, prepared with these per-sample gradients."""
+    param = torch.zeros(gradients.shape[1], dtype=torch.float64)
+    probe = InputProbe([param], None, SimpleNamespace(min_strength=min_strength), np.array([1.0]),
+                       per_layer=False, max_grad_norm=1.0, loss_reduction="sum", pool=torch.arange(4))
+    return probe, probe.prepare([gradients])
+
+
+def test_observations_decorrelate_exactly_and_keep_more_strength_than_cholesky():
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal((8, 60))
+    g = base + 0.25 * base[[1, 2, 3, 4, 5, 6, 7, 0]]  # overlapping directions
+    g[5] = g[2] + 0.01 * rng.standard_normal(60)  # a near-duplicate: not both can be observed
+    g = torch.as_tensor(3.0 * g / np.linalg.norm(g, axis=1, keepdims=True))  # norm 3C: clipped to C
+    probe, strength = _probe_on(g)
+    directions = probe._directions.numpy()  # the clipped gradients, norm C
+    observed = np.flatnonzero(strength)
+    assert not {2, 5} <= set(observed) and len(observed) >= 5
+    assert np.all(strength[observed] >= 0.9) and np.all(strength[observed] <= 1.0 + 1e-12)
+    cholesky = np.diag(pivoted_cholesky(directions[observed] @ directions[observed].T)[0])
+    assert strength[observed].sum() > cholesky.sum()  # the symmetric root has the largest trace
+    # Without noise every observation is its canary's in/out bit exactly, whatever the others do.
+    b = np.array([1, 0, 1, 1, 0, 1, 0, 1], dtype=bool)
+    idx, values = probe.project(torch.as_tensor(directions.T @ b), b)
+    assert np.array_equal(idx, observed) and np.allclose(values, b[observed], atol=1e-9)
+    # Noise z ~ N(0, I) reaches the observations as M z with M M^T = diag(1 / strength^2):
+    # independent, each with the variance of its strength (columns of M from unit noise).
+    m = np.stack([probe.project(torch.as_tensor(e), np.zeros(8, bool))[1] for e in np.eye(60)], axis=1)
+    assert np.allclose(m @ m.T, np.diag(1.0 / strength[observed] ** 2), atol=1e-9)
 
 
 # ------------------------------------------------------------------ injection
