@@ -1,6 +1,7 @@
 """Input-space canaries: construction of each kind, injection through Opacus's own machinery, errors."""
 
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,8 +11,6 @@ from lightning_dpaudit import PrivacyAuditor
 from lightning_dpaudit.bugs import inject_bug
 from lightning_dpaudit.digits import DigitsCNN, digits_holdout, make_private_digits, train_steps
 from lightning_dpaudit.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
-from types import SimpleNamespace
-
 from lightning_dpaudit.input_probe import InputProbe, pivoted_cholesky
 from lightning_dpaudit.testing import train_audited
 
@@ -77,6 +76,17 @@ def test_crafted_canaries_reduce_the_cosine_with_the_mean_gradient(sample):
     assert mean_abs_cosine(alone) < 0.5 * before, (before, mean_abs_cosine(alone))
     assert mean_abs_cosine(x) < 0.6 * before, (before, mean_abs_cosine(x))  # while also spreading them apart:
     assert log_det(x) > log_det(start) + 1.0, (log_det(start), log_det(x))
+
+
+def test_pivoted_cholesky_orders_by_residual_and_factors_the_gram_matrix():
+    rng = np.random.default_rng(0)
+    d = rng.standard_normal((5, 40))
+    d[3] = d[1]  # a duplicate: nothing of its own, so it is taken last with a zero diagonal
+    gram = d @ d.T
+    chol, order = pivoted_cholesky(gram)
+    assert np.allclose(chol @ chol.T, gram[np.ix_(order, order)], atol=1e-9)
+    assert order[-1] in (1, 3) and abs(chol[-1, -1]) < 1e-6
+    assert np.diag(chol)[0] == pytest.approx(np.sqrt(np.max(np.diag(gram))))
 
 
 def _probe_on(gradients, min_strength=0.9):
