@@ -246,30 +246,29 @@ class PrivacyAuditor:
         if self.mode == "one-run":
             is_in[:] = False
             is_in[self.rng.permutation(k)[: k // 2]] = True
-        self._privatize(probe.canary_rows, self._observe_input, is_in)
+        self._privatize(lambda which: (probe.canary_rows(which), [None] * len(probe.params)), self._observe_input, is_in)
 
     def _privatize(self, rows_of, observe, is_in) -> None:
         """Release the step with canaries and observe them; leave the un-audited update.
 
-        rows_of(which): the selected canaries' per-sample rows; observe(data_sum, added,
-        is_in): record a release. one-run: the `is_in` canaries enter the one release and
-        their clipped sum is removed after. paired: the real release carries none (all
-        out), a second privatization of data + all canaries gives the in-observations.
+        rows_of(which): (rows, columns) of the selected canaries (columns None for dense
+        rows); observe(data_sum, added, is_in): record a release, with `added` the
+        canaries' CanarySum (None when the release carries none). one-run: the `is_in`
+        canaries enter the one release and their clipped sum is removed after. paired:
+        the real release carries none (all out), a second privatization of data + all
+        canaries gives the in-observations.
         """
         params = self.probe.params
         data_sum = [p.summed_grad for p in params]
         if self.mode == "one-run":
-            added = self._add_rows(rows_of(is_in), data_sum)
-            self._release()
+            added = self._release_with(rows_of(is_in))
             observe(data_sum, added, is_in)
-            for p, k in zip(params, added):
-                p.grad.sub_(k.view_as(p.grad))
+            added.remove_from([p.grad for p in params])
         else:
             self._release()
-            released = [p.grad.detach().clone() for p in params]
+            released = [p.grad for p in params]  # add_noise assigns new tensors: these stay as they are
             observe(data_sum, None, np.zeros(len(is_in), bool))
-            added = self._add_rows(rows_of(is_in), data_sum)
-            self._release()
+            added = self._release_with(rows_of(is_in))
             observe(data_sum, added, np.ones(len(is_in), bool))
             for p, r in zip(params, released):
                 p.grad = r
@@ -277,10 +276,19 @@ class PrivacyAuditor:
             p.summed_grad = s
             s._processed = True
 
+    def _release_with(self, rows_and_columns):
+        """Release data + canaries through the optimizer's own clipping and noise; summed_grad is the data's again after."""
+        params = self.probe.params
+        added = self.probe.clip(self.optimizer, *rows_and_columns)
+        added.enter(params)
+        self._release()
+        added.leave(params)
+        return added
+
     def _observe_input(self, data_sum, added, is_in) -> None:
         probe = self.input_probe
         difference = probe.flat([p.grad for p in probe.params]) - probe.flat(data_sum)
-        noise = difference if added is None else difference - probe.flat(added)
+        noise = difference if added is None else difference - probe.flat(added.values)
         predicted = self.memory.predict(probe.at_pool(noise), np.zeros(0, dtype=int))
         self.memory.add(probe.at_pool(noise))
         observed, values = probe.project(probe.without(difference, predicted), is_in)
@@ -288,16 +296,9 @@ class PrivacyAuditor:
         self.log.append(step=self.steps, layer=layers, kind=self.canary, is_in=is_in[observed], value=values)
         self.monitor.update(layers, is_in[observed], values)
 
-    def _add_rows(self, rows, data_sum):
-        """Per-sample rows through the optimizer's own clipping; summed_grad becomes data + rows."""
-        added = self.probe.clip_alone(self.optimizer, rows) if rows[0].shape[0] else [torch.zeros_like(s) for s in data_sum]
-        for p, s, k in zip(self.probe.params, data_sum, added):
-            p.summed_grad = s + k
-        return added
-
     def _observe(self, data_sum, added, canaries, is_in) -> None:
         released = self.probe.at_pool([p.grad for p in self.probe.params]) - self.probe.at_pool(data_sum)
-        noise = released if added is None else released - self.probe.at_pool(added)
+        noise = released if added is None else released - self.probe.sum_at_pool(added)
         predicted = self.memory.predict(noise, canaries.pool_index)
         self.memory.add(noise)
         values = self.probe.project(released - predicted, canaries)

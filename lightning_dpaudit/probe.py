@@ -1,19 +1,85 @@
 """Tensor plumbing between canaries and an Opacus optimizer's parameters.
 
 Canaries enter as extra per-sample gradient rows that the optimizer's own
-`clip_and_accumulate` clips and sums into a fresh `summed_grad`, so what they added is
-known exactly; observations are read from the released gradient at the pool
-coordinates only.
+`clip_and_accumulate` clips and sums, so what they add (K) is known exactly.
+
+Compressed rows. A gradient canary touches `support` coordinates of one tensor, so its
+row is zero almost everywhere. The probe gives the optimizer, for each tensor l, rows
+over only the coordinates that this step's canaries in l touch: a (k, m_l) matrix
+instead of (k, *shape_l). Opacus's clipping computes per-row norms over whatever
+`grad_sample` holds and sums the clipped rows, so the norms, clip factors and sums are
+exactly those of the full rows restricted to those coordinates, and K_l comes back as a
+vector over them. Memory per step is k x (k x support), whatever the model's size.
+An optimizer whose clipping needs parameter-shaped rows (it raises, or returns sums of
+another shape) gets dense rows from then on, with one warning naming the cost.
+
+Observations are read from the released gradient at the pool coordinates only,
+gathered tensor by tensor (no whole-model copy).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import warnings
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .canaries import StepCanaries
+
+
+class CompressedRowsFallbackWarning(UserWarning):
+    """The optimizer's clipping needs parameter-shaped canary rows."""
+
+
+class CanarySum:
+    """K: what the optimizer's clipping made of this step's in-canary rows, per tensor.
+
+    columns[l] is None where K_l is parameter-shaped (dense rows), else the flat
+    coordinates of tensor l that the vector K_l covers.
+    """
+
+    def __init__(self, values: List[torch.Tensor], columns: Sequence[Optional[torch.Tensor]], pool_positions=None):
+        self.values = values
+        self.columns = list(columns)
+        self.pool_positions = pool_positions  # compressed: the pool position of every column, in order
+        self._saved: list = []
+
+    @property
+    def dense(self) -> bool:
+        return self.columns[0] is None
+
+    def enter(self, params) -> None:
+        """summed_grad becomes data + K (in place at the columns, the data's values kept)."""
+        self._saved = []
+        for p, k, cols in zip(params, self.values, self.columns):
+            s = p.summed_grad
+            if cols is None:
+                self._saved.append(s)
+                p.summed_grad = s + k.view_as(s)
+            else:
+                flat = s.view(-1)
+                self._saved.append(flat[cols].clone())
+                flat.index_add_(0, cols, k.to(flat.dtype))
+                if hasattr(s, "_processed"):  # a second privatization of the same sum (paired mode)
+                    del s._processed
+
+    def leave(self, params) -> None:
+        """summed_grad back to exactly the data's own sum."""
+        for p, saved, cols in zip(params, self._saved, self.columns):
+            if cols is None:
+                p.summed_grad = saved
+            else:
+                p.summed_grad.view(-1)[cols] = saved
+        self._saved = []
+
+    def remove_from(self, tensors) -> None:
+        """tensor -= K for each released gradient: the update becomes the un-audited one."""
+        for t, k, cols in zip(tensors, self.values, self.columns):
+            if cols is None:
+                t.sub_(k.view_as(t))
+            else:
+                t.view(-1).index_add_(0, cols, -k.to(t.dtype))
 
 
 class GradientProbe:
@@ -22,35 +88,87 @@ class GradientProbe:
         self.sizes = [p.numel() for p in self.params]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
         device = self.params[0].device
+        self.pool_local = [torch.as_tensor(np.asarray(idx, dtype=np.int64), device=device) for idx in pool]
         self.pool = torch.as_tensor(np.concatenate([idx + off for idx, off in zip(pool, self.offsets)]), device=device)
         self.clip_bounds = np.asarray(clip_bounds, dtype=float)
         self.scale = float(scale)
-        self._rows = None  # reusable (k, P) buffer of canary rows
+        self.dense = False  # set once when the optimizer's clipping refuses compressed rows
+        self._rows = None  # reusable compressed (k, k * support) buffer
         self._set = None  # (rows, cols) written last time, to zero them again
 
-    def canary_rows(self, canaries: StepCanaries, which: np.ndarray) -> List[torch.Tensor]:
-        """Per-sample gradient rows, one per selected canary: scale * C_l * w on its support."""
+    # ------------------------------------------------------------------ canary rows
+
+    def canary_rows(self, canaries: StepCanaries, which: np.ndarray):
+        """(rows, columns): compressed per-sample rows of the selected canaries, per tensor.
+
+        Row r holds scale * C_l * w_r on its own coordinates; the columns of tensor l are
+        the coordinates of the selected canaries in l, in order. Canaries of one step
+        never share a coordinate, so each column belongs to one row.
+        """
         chosen = np.flatnonzero(which)
+        tensor = canaries.tensor[chosen]
+        support = canaries.coords.shape[1]
+        k, width = len(chosen), len(chosen) * support
         p0 = self.params[0]
-        if self._rows is None or self._rows.shape[0] != len(chosen) or self._rows.dtype != p0.dtype:
-            self._rows = torch.zeros((len(chosen), int(self.offsets[-1])), dtype=p0.dtype, device=p0.device)
+        if self._rows is None or self._rows.shape != (k, width) or self._rows.dtype != p0.dtype:
+            self._rows = torch.zeros((k, width), dtype=p0.dtype, device=p0.device)
         elif self._set is not None:
             self._rows[self._set] = 0
-        if len(chosen):
-            tensor = canaries.tensor[chosen]
-            cols = torch.as_tensor((self.offsets[tensor][:, None] + canaries.coords[chosen]).ravel())
-            rows = torch.as_tensor(np.repeat(np.arange(len(chosen)), canaries.coords.shape[1]))
-            vals = canaries.weights[chosen] * (self.scale * self.clip_bounds[tensor])[:, None]
-            self._rows[rows, cols] = torch.as_tensor(vals.ravel(), dtype=p0.dtype)
-            self._set = (rows, cols)
-        pieces = torch.split(self._rows, self.sizes, dim=1)
-        return [piece.reshape(len(chosen), *p.shape) for piece, p in zip(pieces, self.params)]
+        order = np.argsort(tensor, kind="stable")  # columns grouped by tensor
+        rows = np.repeat(order, support)
+        cols = np.arange(width)
+        vals = canaries.weights[chosen][order] * (self.scale * self.clip_bounds[tensor[order]])[:, None]
+        self._set = (torch.as_tensor(rows), torch.as_tensor(cols))
+        self._rows[self._set] = torch.as_tensor(vals.ravel(), dtype=p0.dtype, device=p0.device)
+        counts = np.bincount(tensor, minlength=len(self.params)) * support
+        coords = canaries.coords[chosen][order].ravel()
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        columns = [torch.as_tensor(coords[a:b], device=p0.device) for a, b in zip(bounds[:-1], bounds[1:])]
+        pieces = list(torch.split(self._rows, counts.tolist(), dim=1))
+        self._pool_positions = canaries.pool_index[chosen][order].ravel()
+        if self.dense:
+            return self._dense_rows(pieces, columns), [None] * len(self.params)
+        return pieces, columns
 
-    def clip_alone(self, optimizer, rows: List[torch.Tensor]) -> List[torch.Tensor]:
-        """What the optimizer's own clip_and_accumulate adds for these rows alone.
+    def _dense_rows(self, pieces, columns) -> List[torch.Tensor]:
+        """Parameter-shaped rows with the compressed values at their columns."""
+        dense = []
+        for piece, cols, p in zip(pieces, columns, self.params):
+            full = torch.zeros((piece.shape[0], p.numel()), dtype=piece.dtype, device=piece.device)
+            full[:, cols] = piece
+            dense.append(full.reshape(piece.shape[0], *p.shape))
+        return dense
 
-        summed_grad and grad_sample are swapped out for the call and restored after.
+    # ------------------------------------------------------------------ the optimizer's own clipping
+
+    def clip(self, optimizer, rows: List[torch.Tensor], columns) -> CanarySum:
+        """K for these rows through the optimizer's own clip_and_accumulate.
+
+        Compressed rows whose clipping fails, or comes back in another shape, are retried
+        as dense rows; the probe then stays dense for the rest of the run.
         """
+        if columns[0] is None:
+            return CanarySum(self._clip_alone(optimizer, rows), columns)
+        try:
+            sums = self._clip_alone(optimizer, rows)
+            if all(s.numel() == r.shape[1] for s, r in zip(sums, rows)):
+                return CanarySum([s.reshape(-1) for s in sums], columns, self._pool_positions)
+            problem = "returned sums of another shape"
+        except (RuntimeError, ValueError, IndexError, TypeError) as error:
+            problem = f"raised {type(error).__name__}: {error}"
+        self.dense = True
+        total = int(self.offsets[-1])
+        warnings.warn(
+            f"{type(optimizer).__name__}.clip_and_accumulate {problem} on compressed canary rows; using "
+            f"parameter-shaped rows from now on: {rows[0].shape[0]} rows x {total:,} parameters "
+            f"(about {rows[0].shape[0] * total * rows[0].element_size() / 2**20:,.0f} MB) per step",
+            CompressedRowsFallbackWarning,
+            stacklevel=4,
+        )
+        return CanarySum(self._clip_alone(optimizer, self._dense_rows(rows, columns)), [None] * len(self.params))
+
+    def _clip_alone(self, optimizer, rows: List[torch.Tensor]) -> List[torch.Tensor]:
+        """What clip_and_accumulate sums for these rows alone (grad_sample and summed_grad swapped out)."""
         saved = [(getattr(p, "grad_sample", None), p.summed_grad) for p in self.params]
         try:
             for p, r in zip(self.params, rows):
@@ -63,10 +181,20 @@ class GradientProbe:
                 p.grad_sample = sample
                 p.summed_grad = summed
 
+    # ------------------------------------------------------------------ reading
+
     def at_pool(self, tensors: Sequence[torch.Tensor]) -> np.ndarray:
-        """Values of per-parameter tensors at the pool coordinates, as float64."""
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        return flat[self.pool].double().cpu().numpy()
+        """Values of per-parameter tensors at the pool coordinates, as float64 (gathered per tensor)."""
+        flat = torch.cat([t.detach().reshape(-1)[idx] for t, idx in zip(tensors, self.pool_local)])
+        return flat.double().cpu().numpy()
+
+    def sum_at_pool(self, added: CanarySum) -> np.ndarray:
+        """K at the pool coordinates, as float64."""
+        if added.dense:
+            return self.at_pool(added.values)
+        out = np.zeros(len(self.pool))
+        out[added.pool_positions] = torch.cat(added.values).double().cpu().numpy()
+        return out
 
     def project(self, pool_values: np.ndarray, canaries: StepCanaries) -> np.ndarray:
         """Normalized observation of each canary: <w, values on its support> / C_l."""
