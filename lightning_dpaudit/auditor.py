@@ -28,13 +28,16 @@ from . import estimators as est
 from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
 from .input_canaries import INPUT_KINDS, InputCanaries
 from .input_probe import InputProbe, check_input_model
-from .monitor import POOLED, AnytimeMonitor
-from .noise_memory import NoiseMemory
+from .monitor import POOLED, REPEATS, AnytimeMonitor
+from .noise_fingerprints import NoiseFingerprints
 from .observations import ObservationLog
 from .probe import GradientProbe
 from .results import AuditResult, LayerAudit, violation_message
 
 MODES = ("one-run", "paired")
+DEFAULT_GRADIENT_CANARIES = 1024
+SENTINELS = 128  # pool coordinates whose noise fingerprints each step (NoiseFingerprints)
+REPEAT_ALPHA = 1e-6  # false-alarm budget of the noise-repeat test, taken from the pooled test's share
 ALL_LAYERS = "all parameters"  # the one group of input canaries, whose gradients span every tensor
 
 
@@ -83,7 +86,9 @@ class PrivacyAuditor:
     canary: a gradient canary kind ("dirac", "constant", "random"), an input canary kind
     ("mislabeled", "blank", "adversarial", "crafted") or an InputCanaries object.
     canaries_per_step: canaries per noised step (one-run: half in, half out; paired: all
-    in the second release, all out in the first). canary_scale: canary norm as a multiple
+    in the second release, all out in the first); "auto" (default) follows auto_canaries:
+    1,024 gradient canaries (fewer on models under 2,048 coordinates), 32 input canaries.
+    canary_scale: canary norm as a multiple
     of the clipping bound (> 1 audits clipping). moving: fresh coordinates each step.
     support: coordinates per canary for "constant" and "random".
     Input canaries: module (the GradSampleModule) is required; canary_inputs /
@@ -104,7 +109,7 @@ class PrivacyAuditor:
         delta: float = 1e-5,
         confidence: float = 0.95,
         canary="dirac",
-        canaries_per_step: int = 128,
+        canaries_per_step="auto",
         mode: str = "one-run",
         estimator: str = "gdp-cp",
         seed: Optional[int] = None,
@@ -132,7 +137,9 @@ class PrivacyAuditor:
         if mode not in MODES:
             raise ValueError(f"Unexpected value for `mode`: {mode!r}; valid modes are {', '.join(MODES)}")
         min_canaries = 2 if mode == "one-run" else 1
-        if int(canaries_per_step) < min_canaries:
+        if canaries_per_step == "auto":
+            canaries_per_step = auto_canaries(canary, sum(p.numel() for p in optimizer.params), support)
+        if isinstance(canaries_per_step, str) or int(canaries_per_step) < min_canaries:
             raise ValueError(f"Unexpected value for `canaries_per_step`: {canaries_per_step}; {mode} needs >= {min_canaries}")
         if canary_scale <= 0 or check_every < 1:
             raise ValueError(f"`canary_scale` must be > 0 and `check_every` >= 1; got {canary_scale}, {check_every}")
@@ -165,6 +172,7 @@ class PrivacyAuditor:
         per_layer = hasattr(optimizer, "max_grad_norms")
         clip = np.array(optimizer.max_grad_norms if per_layer else [optimizer.max_grad_norm] * len(params), dtype=float)
         self.mu_claimed = 1.0 / float(optimizer.noise_multiplier)
+        self.noise_std = float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm)
         layer_mu = clip / (float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm))
         self.rng = np.random.default_rng(seed)
         sizes = [p.numel() for p in params]
@@ -184,9 +192,10 @@ class PrivacyAuditor:
                 params, module, self.input, clip, per_layer=per_layer, max_grad_norm=float(optimizer.max_grad_norm),
                 loss_reduction=optimizer.loss_reduction, pool=self.probe.pool,
             )
-        self.memory = NoiseMemory(len(self.probe.pool))
+        self.fingerprints = NoiseFingerprints(SENTINELS, alpha=REPEAT_ALPHA)
+        self.sentinels = sentinel_positions(len(self.probe.pool))
         self.log = ObservationLog(list(KINDS + INPUT_KINDS))
-        self.monitor = AnytimeMonitor(layer_mu, self.mu_claimed, confidence=confidence)
+        self.monitor = AnytimeMonitor(layer_mu, self.mu_claimed, confidence=confidence, reserved=REPEAT_ALPHA)
         self.steps = 0
         self._alerted = False
         self._attach()
@@ -288,22 +297,35 @@ class PrivacyAuditor:
     def _observe_input(self, data_sum, added, is_in) -> None:
         probe = self.input_probe
         difference = probe.flat([p.grad for p in probe.params]) - probe.flat(data_sum)
-        noise = difference if added is None else difference - probe.flat(added.values)
-        predicted = self.memory.predict(probe.at_pool(noise), np.zeros(0, dtype=int))
-        self.memory.add(probe.at_pool(noise))
-        observed, values = probe.project(probe.without(difference, predicted), is_in)
+        if self.mode == "one-run" or added is None:
+            noise = difference if added is None else difference - probe.flat(added.values)
+            self._check_noise(probe.at_pool(noise))
+        observed, values = probe.project(difference, is_in)
         layers = np.zeros(len(values), dtype=int)
         self.log.append(step=self.steps, layer=layers, kind=self.canary, is_in=is_in[observed], value=values)
         self.monitor.update(layers, is_in[observed], values)
 
     def _observe(self, data_sum, added, canaries, is_in) -> None:
         released = self.probe.at_pool([p.grad for p in self.probe.params]) - self.probe.at_pool(data_sum)
-        noise = released if added is None else released - self.probe.sum_at_pool(added)
-        predicted = self.memory.predict(noise, canaries.pool_index)
-        self.memory.add(noise)
-        values = self.probe.project(released - predicted, canaries)
+        if self.mode == "one-run" or added is None:  # the release the optimizer makes
+            self._check_noise(released if added is None else released - self.probe.sum_at_pool(added))
+        values = self.probe.project(released, canaries)
         self.log.append(step=self.steps, layer=canaries.tensor, kind=self.canary, is_in=is_in, value=values)
         self.monitor.update(canaries.tensor, is_in, values)
+
+    def _check_noise(self, noise_at_pool: np.ndarray) -> None:
+        """Fingerprint this step's noise on the sentinels; a repeat of an earlier step is a violation.
+
+        Steps whose sentinel noise is (nearly) zero are skipped: they repeat nothing, and
+        the canaries see the missing noise directly.
+        """
+        if self.sentinels is None:
+            return
+        noise = noise_at_pool[self.sentinels]
+        if np.sqrt(np.mean(noise**2)) < 1e-3 * self.noise_std:
+            return
+        if self.fingerprints.check(noise, self.steps + 1) is not None:
+            self.monitor.flag(REPEATS, self.steps + 1)
 
     def _check(self) -> None:
         fired = self.monitor.check(self.steps)
@@ -345,9 +367,7 @@ class PrivacyAuditor:
                 )
             )
         tp, fn, fp, tn = counts[POOLED]
-        violating = tuple(
-            "pooled" if g == POOLED else self.layer_names[g] for g in sorted(self.monitor.first_violation)
-        )
+        violating = tuple(_group_name(g, self.layer_names) for g in sorted(self.monitor.first_violation))
         first = min(self.monitor.first_violation.values()) if self.monitor.first_violation else None
         eps_accountant, eps_lower = self._end_to_end(mu_step) if accounting else (math.nan, math.nan)
         return AuditResult(
@@ -367,7 +387,8 @@ class PrivacyAuditor:
             epsilon_step_lower_bound=est.mu_to_epsilon(mu_step, self.delta),
             epsilon_step_claimed=est.mu_to_epsilon(self.mu_claimed, self.delta),
             first_violation_step=first,
-            noise_repeats=self.memory.matches,
+            noise_repeats=self.fingerprints.matches,
+            first_noise_repeat=self.fingerprints.first_repeat,
             mode=self.mode,
             canary=self.canary,
             layers=tuple(layers),
@@ -399,7 +420,8 @@ class PrivacyAuditor:
             "alerted": self._alerted,
             "sampler": self.sampler.state_dict() if self.sampler is not None else {"rng": self.rng.bit_generator.state},
             "input_canaries": _input_state(self.input),
-            "memory": self.memory.state_dict(),
+            "pool": [p.cpu().numpy() for p in self.probe.pool_local],
+            "fingerprints": self.fingerprints.state_dict(),
             "log": self.log.state_dict(),
             "monitor": self.monitor.state_dict(),
         }
@@ -415,9 +437,43 @@ class PrivacyAuditor:
             saved = state["input_canaries"]
             self.input.x, self.input.y = torch.as_tensor(saved["x"]), torch.as_tensor(saved["y"])
             self.input.builds = int(saved["builds"])
-        self.memory.load_state_dict(state["memory"])
+        if "pool" in state:
+            self.probe.set_pool(state["pool"])
+            if self.input is not None:
+                self.input_probe.pool = self.probe.pool
+        if "fingerprints" in state:
+            self.fingerprints.load_state_dict(state["fingerprints"])
         self.log.load_state_dict(state["log"])
         self.monitor.load_state_dict(state["monitor"])
+
+
+def auto_canaries(canary, parameters: int, support: int) -> int:
+    """The default canaries per step.
+
+    Gradient canaries: 1,024 (their rows are compressed, so they cost little, and 1,000
+    steps of 1,024 reach about 0.95 of the accountant's epsilon or more), but never more
+    than half the model's coordinates / support, so that moving canaries still move on
+    small models. Input canaries: 32 (each costs a forward and backward pass).
+    """
+    if canary in INPUT_KINDS or isinstance(canary, InputCanaries):
+        return 32
+    width = 1 if canary == "dirac" else int(support)
+    return max(2, min(DEFAULT_GRADIENT_CANARIES, parameters // (2 * width)) // 2 * 2)
+
+
+def sentinel_positions(pool_size: int):
+    """SENTINELS pool positions spread evenly over the pool (None when the pool is too small)."""
+    if pool_size < SENTINELS:
+        return None
+    return np.linspace(0, pool_size - 1, SENTINELS).astype(int)
+
+
+def _group_name(group: int, layer_names) -> str:
+    if group == POOLED:
+        return "pooled"
+    if group == REPEATS:
+        return "noise repeats"
+    return layer_names[group]
 
 
 def _layer_names(params, module) -> list:

@@ -7,8 +7,10 @@ the alarm for a group the first time the bound exceeds that group's claimed mu.
 
 Error budget: alpha = 1 - confidence, split Bonferroni-style: half for the pooled test,
 half shared equally by the per-tensor tests (all of it to the pooled test when there is
-one tensor). With each group's confidence sequence valid uniformly over time, a correct
-implementation raises any alarm with probability <= alpha over the whole run.
+one tensor). A `reserved` part of the pooled half goes to tests run outside the monitor
+(the noise-repeat test), which report through `flag`. With each group's confidence
+sequence valid uniformly over time, a correct implementation raises any alarm with
+probability <= alpha over the whole run.
 """
 
 from __future__ import annotations
@@ -22,22 +24,26 @@ from .estimators.bounds import DEFAULT_THRESHOLD as THRESHOLD  # the estimators'
 from .estimators.sequential import anytime_mu_lower
 
 POOLED = -1
+REPEATS = -2  # the noise-repeat test (NoiseFingerprints), flagged by the auditor
 
 
 class AnytimeMonitor:
-    def __init__(self, claimed_mu: Dict[int, float], pooled_claim: float, *, confidence: float):
+    def __init__(self, claimed_mu: Dict[int, float], pooled_claim: float, *, confidence: float, reserved: float = 0.0):
         self.confidence = confidence
         alpha = 1.0 - confidence
+        if not 0.0 <= reserved < alpha / 2:
+            raise ValueError(f"Unexpected value for `reserved`: {reserved}; it must lie in [0, {alpha / 2})")
         layers = sorted(claimed_mu)
         self.claims = {POOLED: pooled_claim, **claimed_mu}
         if len(layers) <= 1:
-            self.alpha = {POOLED: alpha}
+            self.alpha = {POOLED: alpha - reserved}
         else:
-            self.alpha = {POOLED: alpha / 2, **{l: alpha / (2 * len(layers)) for l in layers}}
+            self.alpha = {POOLED: alpha / 2 - reserved, **{l: alpha / (2 * len(layers)) for l in layers}}
         self.num_layers = len(layers)
         self.counts = {g: np.zeros(4, dtype=np.int64) for g in self.alpha}  # tp, fn, fp, tn
         self.bounds = {g: 0.0 for g in self.alpha}
         self.first_violation: Dict[int, int] = {}
+        self._flagged: List[int] = []  # flagged since the last check
 
     def update(self, layers: Sequence[int], is_in: np.ndarray, values: np.ndarray) -> None:
         said_in = np.asarray(values) >= THRESHOLD
@@ -51,7 +57,7 @@ class AnytimeMonitor:
 
     def check(self, step: int) -> List[int]:
         """Groups whose alarm fires at this check for the first time."""
-        fired = []
+        fired, self._flagged = self._flagged, []
         groups = list(self.counts)
         screen = _screen_mu(np.array([self.counts[g] for g in groups], dtype=float), np.array([self.alpha[g] for g in groups]))
         for group, upper in zip(groups, screen):
@@ -65,6 +71,12 @@ class AnytimeMonitor:
                 self.first_violation[group] = step
                 fired.append(group)
         return fired
+
+    def flag(self, group: int, step: int) -> None:
+        """Record a violation found by a test outside the monitor (its alpha is `reserved`)."""
+        if group not in self.first_violation:
+            self.first_violation[group] = step
+            self._flagged.append(group)
 
     def group_counts(self) -> Dict[int, np.ndarray]:
         """(tp, fn, fp, tn) at threshold 0.5 for the pool and for every tensor."""

@@ -87,14 +87,18 @@ class GradientProbe:
         self.params = list(params)
         self.sizes = [p.numel() for p in self.params]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
-        device = self.params[0].device
-        self.pool_local = [torch.as_tensor(np.asarray(idx, dtype=np.int64), device=device) for idx in pool]
-        self.pool = torch.as_tensor(np.concatenate([idx + off for idx, off in zip(pool, self.offsets)]), device=device)
+        self.set_pool(pool)
         self.clip_bounds = np.asarray(clip_bounds, dtype=float)
         self.scale = float(scale)
         self.dense = False  # set once when the optimizer's clipping refuses compressed rows
         self._rows = None  # reusable compressed (k, k * support) buffer
         self._set = None  # (rows, cols) written last time, to zero them again
+
+    def set_pool(self, pool: Sequence[np.ndarray]) -> None:
+        """The fixed coordinates observations are read at: one sorted index array per tensor."""
+        device = self.params[0].device
+        self.pool_local = [torch.as_tensor(np.asarray(idx, dtype=np.int64), device=device) for idx in pool]
+        self.pool = torch.as_tensor(np.concatenate([np.asarray(idx) + off for idx, off in zip(pool, self.offsets)]), device=device)
 
     # ------------------------------------------------------------------ canary rows
 

@@ -42,7 +42,9 @@ class AuditResult:
                           implementation shows this with probability <= 1 - confidence
     violating_layers      names of tensors whose own test fired ("pooled" for the pool)
     epsilon_step_lower_bound, epsilon_step_claimed: per-step epsilons at `delta` (Eq. 6)
-    noise_repeats         steps whose noise matched an earlier step's (should be 0)
+    noise_repeats         steps whose noise repeated an earlier step's (should be 0);
+                          first_noise_repeat = (step, the earlier step it repeats) of the first
+                          (steps counted from 1), None when there was none
     """
 
     epsilon_lower_bound: float
@@ -65,6 +67,7 @@ class AuditResult:
     mode: str
     canary: str
     layers: Tuple[LayerAudit, ...]
+    first_noise_repeat: Optional[Tuple[int, int]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,4 +80,5 @@ def violation_message(r: AuditResult) -> str:
         f"(anytime, {r.confidence:.0%}) exceeds the claimed {r.mu_claimed:.3f}; empirical epsilon >= "
         f"{r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} (delta={r.delta:g}); "
         f"violating: {', '.join(r.violating_layers)}"
+        + (f"; the noise of step {r.first_noise_repeat[0]} repeats step {r.first_noise_repeat[1]}'s" if r.first_noise_repeat else "")
     )

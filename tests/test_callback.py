@@ -14,6 +14,7 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dpaudit import DPAuditCallback, PrivacyViolationError
+from lightning_dpaudit.auditor import DEFAULT_GRADIENT_CANARIES
 from lightning_dpaudit.digits import DigitsCNN, digits_dataset
 
 TRAIN = 512  # examples; batch 64 -> 8 steps per epoch
@@ -93,7 +94,7 @@ def test_tensorboard_scalars_histograms_and_figure(tmp_path):
     steps = [e.step for e in events.Scalars("dpaudit/n_observations")]
     assert steps == [8, 16, 24]
     final = callback.auditor.result()
-    assert events.Scalars("dpaudit/n_observations")[-1].value == final.n_in + final.n_out == 24 * 128
+    assert events.Scalars("dpaudit/n_observations")[-1].value == final.n_in + final.n_out == 24 * DEFAULT_GRADIENT_CANARIES
     assert events.Scalars("dpaudit/eps_accountant")[-1].value == pytest.approx(final.epsilon_accountant, rel=1e-5)
     assert events.Scalars("dpaudit/mu_claimed")[-1].value == pytest.approx(1.0)
     assert (tmp_path / "tb" / "version_0" / "audit_report.json").exists()
