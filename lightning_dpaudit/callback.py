@@ -203,11 +203,11 @@ class DPAuditCallback(Callback):
             logger.log_metrics(metrics, step=step)
         if not histograms:
             return
-        ins, outs = self.auditor.log.scores()
+        edges, ins, outs = self.auditor.log.histogram()
         for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger) and len(ins):
-                logger.experiment.add_histogram("dpaudit/observations_in", ins, step)
-                logger.experiment.add_histogram("dpaudit/observations_out", outs, step)
+            if isinstance(logger, TensorBoardLogger) and ins.any():
+                _add_histogram(logger.experiment, "dpaudit/observations_in", edges, ins, step)
+                _add_histogram(logger.experiment, "dpaudit/observations_out", edges, outs, step)
 
     @rank_zero_only
     def _log_figure(self, trainer) -> None:
@@ -216,9 +216,9 @@ class DPAuditCallback(Callback):
             return
         from .report import tradeoff_figure
 
-        ins, outs = self.auditor.log.scores()
         mu_lower = self.auditor.monitor.bounds.get(POOLED)
-        figure = tradeoff_figure(ins, outs, mu_claimed=self.auditor.mu_claimed, mu_lower=mu_lower)
+        histogram = self.auditor.log.histogram()
+        figure = tradeoff_figure(histogram=histogram, mu_claimed=self.auditor.mu_claimed, mu_lower=mu_lower)
         for logger in loggers:  # report figures are not registered with pyplot: nothing to close
             logger.experiment.add_figure("dpaudit/tradeoff", figure, self.auditor.steps, close=False)
 
@@ -227,15 +227,13 @@ class DPAuditCallback(Callback):
         from .report import summary_table, write_report
 
         directory = Path(_log_dir(trainer))
-        ins, outs = self.auditor.log.scores()
         json_path, png_path = write_report(
             directory,
             result,
             settings={"alert": self.alert if isinstance(self.alert, str) else "callable", **_plain(self.auditor_options)},
             versions=_versions(),
             history=self.history,
-            in_values=ins,
-            out_values=outs,
+            histogram=self.auditor.log.histogram(),
         )
         self.report_paths = (json_path, png_path)
         print(summary_table({"result": result.to_dict()}))
@@ -313,6 +311,36 @@ def _log_dir(trainer) -> str:
         if getattr(logger, "log_dir", None):
             return logger.log_dir
     return trainer.default_root_dir
+
+
+def _add_histogram(writer, tag: str, edges: np.ndarray, counts: np.ndarray, step: int) -> None:
+    """A fixed-bin histogram (edges -inf, finite edges, +inf) to TensorBoard, without the raw values.
+
+    Only the span from the first to the last non-empty bin is written; the underflow and
+    overflow bins are drawn one bin wide beyond the finite edges. min, max, sum and
+    sum_squares are those of the bins (midpoints), not of the values.
+    """
+    counts = np.asarray(counts)
+    filled = np.flatnonzero(counts)
+    if filled.size == 0:
+        return
+    finite = np.asarray(edges, dtype=float)[1:-1]
+    width = finite[1] - finite[0]
+    lower = np.concatenate([[finite[0] - width], finite])
+    upper = np.concatenate([finite, [finite[-1] + width]])
+    span = slice(int(filled[0]), int(filled[-1]) + 1)
+    kept, middle = counts[span], (lower[span] + upper[span]) / 2
+    writer.add_histogram_raw(
+        tag,
+        min=float(lower[span][0]),
+        max=float(upper[span][-1]),
+        num=int(kept.sum()),
+        sum=float(kept @ middle),
+        sum_squares=float(kept @ middle**2),
+        bucket_limits=upper[span].tolist(),
+        bucket_counts=kept.tolist(),
+        global_step=step,
+    )
 
 
 def _finite(metrics: dict) -> dict:

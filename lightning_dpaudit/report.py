@@ -41,35 +41,89 @@ def gdp_fnr(fpr, mu: float) -> np.ndarray:
     return norm.cdf(norm.ppf(1.0 - np.asarray(fpr, dtype=float)) - mu)
 
 
-def empirical_tradeoff(in_values, out_values, max_thresholds: int = MAX_THRESHOLDS):
-    """(FPR, FNR) of the attack "in if score >= t" for t swept over the pooled observations.
+def empirical_tradeoff(in_values, out_values, max_thresholds: int = MAX_THRESHOLDS, thresholds=None):
+    """(FPR, FNR) of the attack "in if score >= t" from raw observations.
 
-    At most `max_thresholds` thresholds (evenly spaced quantiles of the pooled sorted
-    scores), plus the two trivial attacks (everything in: (1, 0); nothing in: (0, 1)).
-    FPR is increasing along the returned arrays.
+    Without `thresholds`, t sweeps the pooled observations: at most `max_thresholds` of
+    them (evenly spaced quantiles of the pooled sorted scores), plus the two trivial
+    attacks (everything in: (1, 0); nothing in: (0, 1)). With `thresholds`, t takes
+    exactly those values, largest first. FPR is increasing along the returned arrays.
     """
     ins = np.sort(np.asarray(in_values, dtype=float).ravel())
     outs = np.sort(np.asarray(out_values, dtype=float).ravel())
     if ins.size == 0 or outs.size == 0:
         raise ValueError("need at least one in- and one out-observation")
-    pooled = np.unique(np.concatenate([ins, outs]))
-    if pooled.size > max_thresholds:
-        pooled = pooled[np.unique(np.linspace(0, pooled.size - 1, max_thresholds).round().astype(int))]
-    t = np.concatenate([[np.inf], pooled[::-1], [-np.inf]])
-    fpr = 1.0 - np.searchsorted(outs, t, side="left") / outs.size  # P(out >= t)
+    if thresholds is not None:
+        t = np.sort(np.asarray(thresholds, dtype=float).ravel())[::-1]
+    else:
+        pooled = np.unique(np.concatenate([ins, outs]))
+        if pooled.size > max_thresholds:
+            pooled = pooled[np.unique(np.linspace(0, pooled.size - 1, max_thresholds).round().astype(int))]
+        t = np.concatenate([[np.inf], pooled[::-1], [-np.inf]])
+    fpr = (outs.size - np.searchsorted(outs, t, side="left")) / outs.size  # P(out >= t)
     fnr = np.searchsorted(ins, t, side="left") / ins.size  # P(in < t)
     return fpr, fnr
 
 
-def tradeoff_figure(in_values, out_values, *, mu_claimed: float, mu_lower: Optional[float] = None, ax=None):
+def tradeoff_from_histograms(edges, in_counts, out_counts):
+    """(FPR, FNR) of the attack "in if score >= t" at every bin edge t, largest first.
+
+    counts[i] is the number of observations in [edges[i], edges[i + 1]), so
+    len(counts) == len(edges) - 1, and the counts must hold every observation: use -inf
+    and +inf as the outer edges for the underflow and overflow (as
+    `ObservationLog.histogram` does). At an edge t the false positives are the
+    out-counts from t up and the false negatives the in-counts below t, so the result
+    equals `empirical_tradeoff(ins, outs, thresholds=edges)` on the raw values, exactly.
+    With infinite outer edges it starts at (0, 1) (nothing in) and ends at (1, 0)
+    (everything in). FPR is increasing along the returned arrays.
+    """
+    edges = np.asarray(edges, dtype=float).ravel()
+    ins = np.asarray(in_counts).ravel()
+    outs = np.asarray(out_counts).ravel()
+    if ins.size != edges.size - 1 or outs.size != edges.size - 1:
+        raise ValueError(
+            f"need one count per bin: {edges.size} edges make {edges.size - 1} bins, "
+            f"got {ins.size} in-counts and {outs.size} out-counts"
+        )
+    if np.any(np.diff(edges) < 0):
+        raise ValueError("`edges` must be non-decreasing")
+    if np.any(ins < 0) or np.any(outs < 0):
+        raise ValueError("counts must be >= 0")
+    n_in, n_out = int(ins.sum()), int(outs.sum())
+    if n_in == 0 or n_out == 0:
+        raise ValueError("need at least one in- and one out-observation")
+    out_at_or_above = np.concatenate([np.cumsum(outs[::-1])[::-1], [0]])  # at edge k: sum(outs[k:])
+    in_below = np.concatenate([[0], np.cumsum(ins)])  # at edge k: sum(ins[:k])
+    return out_at_or_above[::-1] / n_out, in_below[::-1] / n_in
+
+
+def _tradeoff_points(in_values, out_values, histogram):
+    """The empirical curve from raw values or from (edges, in_counts, out_counts)."""
+    if histogram is None:
+        if in_values is None or out_values is None:
+            raise ValueError("pass the observations (in_values and out_values) or `histogram`")
+        return empirical_tradeoff(in_values, out_values)
+    if in_values is not None or out_values is not None:
+        raise ValueError("pass the observations (in_values and out_values) or `histogram`, not both")
+    fpr, fnr = tradeoff_from_histograms(*histogram)
+    changed = np.concatenate([[True], (np.diff(fpr) != 0) | (np.diff(fnr) != 0)])
+    return fpr[changed], fnr[changed]  # empty bins repeat a point: the same line with fewer points
+
+
+def tradeoff_figure(
+    in_values=None, out_values=None, *, mu_claimed: float, mu_lower: Optional[float] = None, ax=None, histogram=None
+):
     """Draw the threshold attack's empirical FPR-FNR trade-off against the GDP curves.
 
-    Lines: the empirical curve, the mu_claimed-GDP curve (the least FNR a correct step
-    allows at each FPR) and, if given, the mu_lower-GDP curve. The empirical curve below
-    the claimed one is leakage beyond the claim. Returns the Figure.
+    The empirical curve comes from the raw observations (in_values, out_values) or from
+    histogram = (edges, in_counts, out_counts) (see tradeoff_from_histograms), which is
+    exact at every bin edge. Lines: the empirical curve, the mu_claimed-GDP curve (the
+    least FNR a correct step allows at each FPR) and, if given, the mu_lower-GDP curve.
+    The empirical curve below the claimed one is leakage beyond the claim. Returns the
+    Figure.
     """
     fig, ax = _new_axes(ax)
-    fpr, fnr = empirical_tradeoff(in_values, out_values)
+    fpr, fnr = _tradeoff_points(in_values, out_values, histogram)
     grid = np.linspace(0.0, 1.0, 501)
     ax.plot([0, 1], [1, 0], color="0.75", lw=0.8, ls=":", label="random guess")
     ax.plot(fpr, fnr, color="C0", lw=1.8, label="empirical (threshold attack)")
@@ -109,11 +163,16 @@ def curves_figure(history, ax=None):
     return fig
 
 
-def report_figure(in_values, out_values, history, *, mu_claimed: float, mu_lower: Optional[float] = None):
-    """Two panels side by side: the trade-off (left) and the running epsilon curves (right)."""
+def report_figure(
+    in_values=None, out_values=None, history=None, *, mu_claimed: float, mu_lower: Optional[float] = None, histogram=None
+):
+    """Two panels side by side: the trade-off (left) and the running epsilon curves (right).
+
+    The trade-off comes from the raw observations or from `histogram` (see tradeoff_figure).
+    """
     fig = _figure((11.5, 5.0))
     left, right = fig.subplots(1, 2)
-    tradeoff_figure(in_values, out_values, mu_claimed=mu_claimed, mu_lower=mu_lower, ax=left)
+    tradeoff_figure(in_values, out_values, mu_claimed=mu_claimed, mu_lower=mu_lower, ax=left, histogram=histogram)
     curves_figure(history, ax=right)
     fig.tight_layout()
     return fig
@@ -155,10 +214,14 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def write_report(directory, result, *, settings: dict, versions: dict, history: list, in_values, out_values):
+def write_report(
+    directory, result, *, settings: dict, versions: dict, history: list, in_values=None, out_values=None, histogram=None
+):
     """Write directory/audit_report.json (result, settings, versions, history) and audit_report.png.
 
-    The JSON is strict (nan -> null, infinities -> "inf"/"-inf"). Returns (json_path, png_path).
+    The PNG's trade-off comes from the raw observations (in_values, out_values) or from
+    histogram = (edges, in_counts, out_counts). The JSON is strict (nan -> null,
+    infinities -> "inf"/"-inf"). Returns (json_path, png_path).
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +233,9 @@ def write_report(directory, result, *, settings: dict, versions: dict, history: 
     }
     json_path, png_path = out / JSON_NAME, out / PNG_NAME
     json_path.write_text(json.dumps(_jsonable(record), indent=2, allow_nan=False) + "\n")
-    fig = report_figure(in_values, out_values, history, mu_claimed=result.mu_claimed, mu_lower=result.mu_lower_bound)
+    fig = report_figure(
+        in_values, out_values, history, mu_claimed=result.mu_claimed, mu_lower=result.mu_lower_bound, histogram=histogram
+    )
     fig.savefig(png_path, dpi=110)
     return json_path, png_path
 

@@ -10,6 +10,7 @@ from scipy.stats import norm
 
 from lightning_dpaudit.report import (
     curves_figure,
+    empirical_tradeoff,
     load_report,
     report_figure,
     summary_table,
@@ -64,6 +65,17 @@ def observations(s: float, n: int, seed: int = 0):
     return rng.normal(1.0, s, n), rng.normal(0.0, s, n)
 
 
+EDGES = np.concatenate([[-np.inf], np.arange(-1280, 1345) / 64, [np.inf]])  # the observation log's bins
+SOURCES = ("raw", "histogram")
+
+
+def observed(ins, outs, source):
+    """Keyword arguments giving the observations as raw values or as the log's fixed-bin histograms."""
+    if source == "raw":
+        return {"in_values": ins, "out_values": outs}
+    return {"histogram": (EDGES, np.histogram(ins, EDGES)[0], np.histogram(outs, EDGES)[0])}
+
+
 def history():
     return [
         {"step": float(k), "eps_lower_bound": 0.5 * k if k > 1 else float("nan"), "eps_accountant": 1.0 + 0.1 * k}
@@ -87,7 +99,8 @@ def claimed_fnr(fpr, mu):
     return norm.cdf(norm.ppf(1 - np.asarray(fpr)) - mu)
 
 
-def test_write_report_creates_strict_json_and_png(tmp_path):
+@pytest.mark.parametrize("source", SOURCES)
+def test_write_report_creates_strict_json_and_png(tmp_path, source):
     ins, outs = observations(1.0, 2000)
     result = fake_result()
     target = tmp_path / "nested" / "audit"
@@ -97,8 +110,7 @@ def test_write_report_creates_strict_json_and_png(tmp_path):
         settings={"noise_multiplier": 1.0, "sample_rate": np.float64(0.01), "layers": ("a", "b")},
         versions={"torch": "2.13.0", "lightning_dpaudit": "0.1.0"},
         history=history(),
-        in_values=ins,
-        out_values=outs,
+        **observed(ins, outs, source),
     )
     assert json_path == target / "audit_report.json" and json_path.is_file()
     assert png_path == target / "audit_report.png" and png_path.is_file()
@@ -123,12 +135,13 @@ def test_write_report_creates_strict_json_and_png(tmp_path):
     assert loaded["versions"]["torch"] == "2.13.0"
 
 
-def test_png_is_valid_and_reasonably_sized(tmp_path):
+@pytest.mark.parametrize("source", SOURCES)
+def test_png_is_valid_and_reasonably_sized(tmp_path, source):
     import matplotlib.image as mpimg
 
     ins, outs = observations(1.0, 2000)
     _, png_path = write_report(
-        tmp_path, fake_result(), settings={}, versions={}, history=history(), in_values=ins, out_values=outs
+        tmp_path, fake_result(), settings={}, versions={}, history=history(), **observed(ins, outs, source)
     )
     raw = png_path.read_bytes()
     assert raw[:8] == PNG_MAGIC
@@ -139,12 +152,13 @@ def test_png_is_valid_and_reasonably_sized(tmp_path):
     assert width > height  # two panels side by side
 
 
-def test_tradeoff_shows_leak_below_claimed_curve():
+@pytest.mark.parametrize("source", SOURCES)
+def test_tradeoff_shows_leak_below_claimed_curve(source):
     ins, outs = observations(0.5, 5000, seed=1)  # true mu 2, claimed mu 1
-    fig = tradeoff_figure(ins, outs, mu_claimed=1.0, mu_lower=1.8)
+    fig = tradeoff_figure(**observed(ins, outs, source), mu_claimed=1.0, mu_lower=1.8)
     ax = fig.axes[0]
     fpr, fnr = empirical_line(ax)
-    assert len(fpr) <= 2002
+    assert len(fpr) <= (2002 if source == "raw" else len(EDGES))
     gap = claimed_fnr(fpr, 1.0) - fnr
     assert gap.max() > 0.1
     labels = [ln.get_label() for ln in ax.get_lines()]
@@ -152,12 +166,13 @@ def test_tradeoff_shows_leak_below_claimed_curve():
     assert ax.get_title() == "Trade-off: empirical vs claimed"
 
 
-def test_tradeoff_matches_claim_for_correct_mechanism():
+@pytest.mark.parametrize("source", SOURCES)
+def test_tradeoff_matches_claim_for_correct_mechanism(source):
     ins, outs = observations(1.0, 20_000, seed=2)
-    fig = tradeoff_figure(ins, outs, mu_claimed=1.0)
+    fig = tradeoff_figure(**observed(ins, outs, source), mu_claimed=1.0)
     ax = fig.axes[0]
     fpr, fnr = empirical_line(ax)
-    assert len(fpr) <= 2002
+    assert len(fpr) <= (2002 if source == "raw" else len(EDGES))
     assert np.all(np.diff(fpr) >= 0)
     assert (fpr[0], fnr[0]) == (0.0, 1.0) and (fpr[-1], fnr[-1]) == (1.0, 0.0)
     grid = np.linspace(0.1, 0.9, 81)
@@ -168,13 +183,34 @@ def test_tradeoff_matches_claim_for_correct_mechanism():
     assert not any("lower" in ln.get_label() for ln in ax.get_lines())
 
 
-def test_tradeoff_draws_on_given_axes():
+def test_tradeoff_from_histogram_is_the_raw_curve_at_the_bin_edges():
+    ins, outs = observations(1.0, 20_000, seed=3)
+    fpr, fnr = empirical_line(tradeoff_figure(**observed(ins, outs, "histogram"), mu_claimed=1.0).axes[0])
+    raw_fpr, raw_fnr = empirical_tradeoff(ins, outs, thresholds=EDGES)
+    # the drawn points are the exact points at the edges, without the repeats empty bins give
+    assert 300 < len(fpr) < len(EDGES) and set(zip(fpr, fnr)) == set(zip(raw_fpr, raw_fnr))
+    assert np.all(np.diff(fpr) >= 0) and np.all((np.diff(fpr) > 0) | (np.diff(fnr) < 0))
+    # between edges the curve stays within the figure's resolution of the raw curve
+    every_fpr, every_fnr = empirical_line(tradeoff_figure(ins, outs, mu_claimed=1.0).axes[0])
+    assert np.max(np.abs(np.interp(every_fpr, fpr, fnr) - every_fnr)) < 0.01
+
+
+def test_tradeoff_needs_raw_values_or_a_histogram():
+    ins, outs = observations(1.0, 100)
+    with pytest.raises(ValueError, match="not both"):
+        tradeoff_figure(ins, outs, mu_claimed=1.0, **observed(ins, outs, "histogram"))
+    with pytest.raises(ValueError, match="or `histogram`"):
+        tradeoff_figure(ins, mu_claimed=1.0)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_tradeoff_draws_on_given_axes(source):
     from matplotlib.figure import Figure
 
     fig = Figure()
     ax = fig.add_subplot()
     ins, outs = observations(1.0, 500)
-    assert tradeoff_figure(ins, outs, mu_claimed=1.0, ax=ax) is fig
+    assert tradeoff_figure(**observed(ins, outs, source), mu_claimed=1.0, ax=ax) is fig
     assert any(ln.get_label().startswith("empirical") for ln in ax.get_lines())
 
 
@@ -192,11 +228,14 @@ def test_curves_and_report_figures():
     both = report_figure(ins, outs, history(), mu_claimed=1.0, mu_lower=0.9)
     assert len(both.axes) == 2
     assert both.axes[0].get_title().startswith("Trade-off")
+    binned = report_figure(history=history(), mu_claimed=1.0, mu_lower=0.9, **observed(ins, outs, "histogram"))
+    assert len(binned.axes) == 2 and empirical_line(binned.axes[0])[0][-1] == 1.0
 
 
-def test_summary_table_from_loaded_report(tmp_path):
+@pytest.mark.parametrize("source", SOURCES)
+def test_summary_table_from_loaded_report(tmp_path, source):
     ins, outs = observations(1.0, 500)
-    write_report(tmp_path, fake_result(), settings={}, versions={}, history=history(), in_values=ins, out_values=outs)
+    write_report(tmp_path, fake_result(), settings={}, versions={}, history=history(), **observed(ins, outs, source))
     text = summary_table(load_report(tmp_path))
     lines = text.splitlines()
     assert lines[0].startswith("VIOLATION:") and "fc2.weight" in lines[0] and "step 37" in lines[0]
@@ -239,6 +278,7 @@ def test_report_module_avoids_torch_and_pyplot():
     code = (
         "import sys, lightning_dpaudit.report as r; "
         "import numpy as np; r.tradeoff_figure(np.ones(3), np.zeros(3), mu_claimed=1.0); "
+        "r.tradeoff_figure(histogram=([-np.inf, 0.5, np.inf], [0, 3], [3, 0]), mu_claimed=1.0); "
         "assert 'torch' not in sys.modules and 'matplotlib.pyplot' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
