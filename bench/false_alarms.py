@@ -43,7 +43,12 @@ def _run(args):
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    result, obs = train_audited(steps=steps, noise_multiplier=sigma, seed=10_000 + seed, return_observations=True)
+    from lightning_dpaudit.auditor import DEFAULT_GRADIENT_CANARIES
+
+    result, obs = train_audited(
+        steps=steps, noise_multiplier=sigma, seed=10_000 + seed, return_observations=True,
+        observation_window=steps * DEFAULT_GRADIENT_CANARIES,  # the naive rule replays every observation
+    )
     return result.violation, _naive_alarm(obs, result.mu_claimed)
 
 

@@ -4,7 +4,7 @@ Digits CNN under Opacus (batch 64, Poisson sampling), `--steps` steps per timing
 runs alternate A (no auditor), B (auditor) so that machine noise hits both alike; the
 ratio of the medians is reported for each mode.
 
-    .venv/bin/python bench/overhead.py [--steps 300] [--rounds 5] [--batch-size 64] [--canaries 128]
+    .venv/bin/python bench/overhead.py [--steps 300] [--rounds 5] [--batch-size 64] [--canaries auto]
     .venv/bin/python bench/overhead.py --canary crafted --canaries 32 --modes one-run --steps 1000 --rounds 3
 
 With an input canary kind both runs train on the digits less the 256 held out for the
@@ -43,10 +43,11 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--canaries", type=int, default=128)
+    parser.add_argument("--canaries", default="auto", help="canaries per step (default: the auditor's)")
     parser.add_argument("--modes", nargs="+", default=["one-run", "paired"])
     parser.add_argument("--canary", default="dirac", help="canary kind (gradient or input)")
     args = parser.parse_args()
+    args.canaries = args.canaries if args.canaries == "auto" else int(args.canaries)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     timed_training(steps=20, batch_size=args.batch_size, mode="one-run", canaries=args.canaries, canary=args.canary)  # warm-up

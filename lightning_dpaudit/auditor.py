@@ -97,6 +97,8 @@ class PrivacyAuditor:
     rebuilds of adversarial and crafted canaries.
     observe_steps: plant and observe canaries in the first observe_steps noised steps
     only (None: all steps); later steps run un-audited.
+    observation_window: how many of the latest raw observations `observations()` keeps
+    (the counts, bounds and histograms cover every observation).
     on_violation: called once with the AuditResult when the alarm first fires (default:
     one PrivacyViolationWarning).
     """
@@ -124,6 +126,7 @@ class PrivacyAuditor:
         loss_fn: Optional[Callable] = None,
         recraft_every="auto",
         observe_steps: Optional[int] = None,
+        observation_window: int = 65_536,
     ):
         _check_optimizer(optimizer)
         if estimator == "katz":
@@ -194,7 +197,7 @@ class PrivacyAuditor:
             )
         self.fingerprints = NoiseFingerprints(SENTINELS, alpha=REPEAT_ALPHA)
         self.sentinels = sentinel_positions(len(self.probe.pool))
-        self.log = ObservationLog(list(KINDS + INPUT_KINDS))
+        self.log = ObservationLog(list(KINDS + INPUT_KINDS), window=observation_window)
         self.monitor = AnytimeMonitor(layer_mu, self.mu_claimed, confidence=confidence, reserved=REPEAT_ALPHA)
         self.steps = 0
         self._alerted = False
@@ -340,7 +343,8 @@ class PrivacyAuditor:
     # ------------------------------------------------------------------ results
 
     def observations(self) -> dict:
-        """All observations so far: numpy arrays step, layer, kind, is_in, value."""
+        """The most recent observations (at most `observation_window`; every observation is
+        counted in `self.log.histogram()` and the bounds): numpy arrays step, layer, kind, is_in, value."""
         return self.log.arrays()
 
     def result(self, *, accounting: bool = True) -> AuditResult:

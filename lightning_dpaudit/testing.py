@@ -52,7 +52,8 @@ def train_audited(
 
     transform(optimizer) may replace or modify the Opacus optimizer before the audit
     attaches (for example to inject a bug or build a user's optimizer class). With
-    return_observations, returns (result, observations) instead. Input canaries get the
+    return_observations, returns (result, observations) instead (the latest
+    `observation_window` observations, 65,536 unless given). Input canaries get the
     last HOLDOUT digits, left out of training, as their in-distribution sample.
     """
     canary = auditor_options.get("canary")
