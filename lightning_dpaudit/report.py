@@ -278,7 +278,7 @@ def summary_table(report: dict) -> str:
     lines += [f"  {a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
     facts = [
         ("observations", f"in {r.get('n_in')} / out {r.get('n_out')}"),
-        ("steps", f"{r.get('steps')}   noise repeats: {r.get('noise_repeats')}"),
+        ("steps", f"{r.get('steps')}   noise repeats: {r.get('noise_repeats')}{_first_repeat(r)}"),
         ("estimator", f"{r.get('estimator')} at {conf:.0%} confidence" if not math.isnan(conf) else str(r.get("estimator"))),
         ("mode / canary", f"{r.get('mode')} / {r.get('canary')}"),
     ]
@@ -295,3 +295,8 @@ def summary_table(report: dict) -> str:
                 f"{_f(layer.get('mu_claimed')):>10}  {n:>13}  {flag}".rstrip()
             )
     return "\n".join(lines)
+
+
+def _first_repeat(r: dict) -> str:
+    first = r.get("first_noise_repeat")
+    return f" (first: step {first[0]} repeats step {first[1]})" if first else ""
