@@ -5,6 +5,8 @@ multiplier is at most sigma_emp = 1 / mu_step. Composing that mechanism with the
 own sample rate and step count, through the same kind of accountant as the run (Opacus's
 RDP, PRV or GDP accountant), gives the end-to-end epsilon the observed leakage implies.
 Opacus is imported only when this is called, so the estimators stay free of torch.
+To recompute it (and the accountant's epsilon) at every log step of a run, use
+`live_epsilon.LiveEpsilon`, which reuses work between calls.
 """
 
 from __future__ import annotations
