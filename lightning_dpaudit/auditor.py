@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import estimators as est
+from .estimators.live_epsilon import LiveEpsilon
 from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
 from .input_canaries import INPUT_KINDS, InputCanaries
 from .input_probe import InputProbe, check_input_model
@@ -200,6 +201,7 @@ class PrivacyAuditor:
         self.log = ObservationLog(list(KINDS + INPUT_KINDS), window=observation_window)
         self.monitor = AnytimeMonitor(layer_mu, self.mu_claimed, confidence=confidence, reserved=REPEAT_ALPHA)
         self.steps = 0
+        self._live_epsilon = None
         self._alerted = False
         self._attach()
 
@@ -408,13 +410,15 @@ class PrivacyAuditor:
         return est.epsilon_to_mu(e.epsilon, self.delta) if e.epsilon > 0 else 0.0
 
     def _end_to_end(self, mu_step: float):
+        """(accountant epsilon, end-to-end lower bound), cached per accountant kind (LiveEpsilon)."""
         acc = self.accountant
         if acc is None or not acc.history:
             return math.nan, math.nan
         kind = acc.mechanism()
-        claimed = float(acc.get_epsilon(delta=self.delta))
-        lower = est.end_to_end_epsilon(mu_step, delta=self.delta, history=acc.history, accountant=kind)
-        return claimed, lower
+        if self._live_epsilon is None or self._live_epsilon.accountant != kind:
+            self._live_epsilon = LiveEpsilon(kind, delta=self.delta)
+        live = self._live_epsilon
+        return live.accountant_epsilon(acc.history), live.lower_bound_epsilon(mu_step, acc.history)
 
     # ------------------------------------------------------------------ persistence
 

@@ -91,8 +91,6 @@ class GradientProbe:
         self.clip_bounds = np.asarray(clip_bounds, dtype=float)
         self.scale = float(scale)
         self.dense = False  # set once when the optimizer's clipping refuses compressed rows
-        self._rows = None  # reusable compressed (k, k * support) buffer
-        self._set = None  # (rows, cols) written last time, to zero them again
 
     def set_pool(self, pool: Sequence[np.ndarray]) -> None:
         """The fixed coordinates observations are read at: one sorted index array per tensor."""
@@ -111,25 +109,19 @@ class GradientProbe:
         """
         chosen = np.flatnonzero(which)
         tensor = canaries.tensor[chosen]
-        support = canaries.coords.shape[1]
-        k, width = len(chosen), len(chosen) * support
+        order = np.argsort(tensor, kind="stable")  # columns grouped by tensor (already so for the sampler's layout)
+        chosen, tensor = chosen[order], tensor[order]
+        k, support = len(chosen), canaries.coords.shape[1]
         p0 = self.params[0]
-        if self._rows is None or self._rows.shape != (k, width) or self._rows.dtype != p0.dtype:
-            self._rows = torch.zeros((k, width), dtype=p0.dtype, device=p0.device)
-        elif self._set is not None:
-            self._rows[self._set] = 0
-        order = np.argsort(tensor, kind="stable")  # columns grouped by tensor
-        rows = np.repeat(order, support)
-        cols = np.arange(width)
-        vals = canaries.weights[chosen][order] * (self.scale * self.clip_bounds[tensor[order]])[:, None]
-        self._set = (torch.as_tensor(rows), torch.as_tensor(cols))
-        self._rows[self._set] = torch.as_tensor(vals.ravel(), dtype=p0.dtype, device=p0.device)
-        counts = np.bincount(tensor, minlength=len(self.params)) * support
-        coords = canaries.coords[chosen][order].ravel()
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        columns = [torch.as_tensor(coords[a:b], device=p0.device) for a, b in zip(bounds[:-1], bounds[1:])]
-        pieces = list(torch.split(self._rows, counts.tolist(), dim=1))
-        self._pool_positions = canaries.pool_index[chosen][order].ravel()
+        vals = canaries.weights[chosen] * (self.scale * self.clip_bounds[tensor])[:, None]
+        block = torch.zeros((k, k, support), dtype=p0.dtype, device=p0.device)
+        diagonal = torch.arange(k, device=p0.device)
+        block[diagonal, diagonal] = torch.as_tensor(vals, dtype=p0.dtype, device=p0.device)
+        counts = (np.bincount(tensor, minlength=len(self.params)) * support).tolist()
+        pieces = list(torch.split(block.view(k, k * support), counts, dim=1))
+        coords = torch.as_tensor(canaries.coords[chosen].ravel(), device=p0.device)
+        columns = list(torch.split(coords, counts))
+        self._pool_positions = canaries.pool_index[chosen].ravel()
         if self.dense:
             return self._dense_rows(pieces, columns), [None] * len(self.params)
         return pieces, columns
