@@ -177,6 +177,7 @@ class PrivacyAuditor:
         clip = np.array(optimizer.max_grad_norms if per_layer else [optimizer.max_grad_norm] * len(params), dtype=float)
         self.mu_claimed = 1.0 / float(optimizer.noise_multiplier)
         self.noise_std = float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm)
+        self.epsilon_step_claimed = est.mu_to_epsilon(self.mu_claimed, self.delta)
         layer_mu = clip / (float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm))
         self.rng = np.random.default_rng(seed)
         sizes = [p.numel() for p in params]
@@ -356,7 +357,9 @@ class PrivacyAuditor:
         (both nan), the costly part with a PRV accountant, for frequent live views.
         """
         counts = self.monitor.group_counts()
-        mu_step = self._mu_lower(counts[POOLED])
+        groups = [POOLED, *range(len(self.layer_names))]
+        mus = self._mu_lower(np.array([counts[g] for g in groups]))
+        mu_step = float(mus[0])
         anytime = self.monitor.refresh_bounds()
         layers = []
         for i, name in enumerate(self.layer_names):
@@ -364,7 +367,7 @@ class PrivacyAuditor:
             layers.append(
                 LayerAudit(
                     name=name,
-                    mu_lower_bound=self._mu_lower(counts[i]),
+                    mu_lower_bound=float(mus[i + 1]),
                     mu_lower_bound_anytime=float(anytime.get(i, 0.0)),
                     mu_claimed=float(self.monitor.claims[i]),
                     n_in=int(tp + fn),
@@ -391,7 +394,7 @@ class PrivacyAuditor:
             confidence=self.confidence,
             delta=self.delta,
             epsilon_step_lower_bound=est.mu_to_epsilon(mu_step, self.delta),
-            epsilon_step_claimed=est.mu_to_epsilon(self.mu_claimed, self.delta),
+            epsilon_step_claimed=self.epsilon_step_claimed,
             first_violation_step=first,
             noise_repeats=self.fingerprints.matches,
             first_noise_repeat=self.fingerprints.first_repeat,
@@ -400,14 +403,16 @@ class PrivacyAuditor:
             layers=tuple(layers),
         )
 
-    def _mu_lower(self, counts) -> float:
-        """Fixed-sample mu lower bound from the threshold-0.5 attack's counts (tp, fn, fp, tn)."""
+    def _mu_lower(self, counts: np.ndarray) -> np.ndarray:
+        """Fixed-sample mu lower bounds from the threshold-0.5 attack's counts, one row (tp, fn, fp, tn) per group."""
+        counts = np.asarray(counts, dtype=np.int64)
         if self.estimator.startswith("gdp"):
-            return est.mu_from_counts(*(int(c) for c in counts), method=self.estimator, confidence=self.confidence)
-        e = est.epsilon_from_counts(*(int(c) for c in counts), delta=self.delta, method=self.estimator, confidence=self.confidence)
-        if e.mu is not None:
-            return float(e.mu)
-        return est.epsilon_to_mu(e.epsilon, self.delta) if e.epsilon > 0 else 0.0
+            return np.atleast_1d(est.mu_from_counts(*counts.T, method=self.estimator, confidence=self.confidence))
+        mus = []
+        for row in counts:
+            e = est.epsilon_from_counts(*(int(c) for c in row), delta=self.delta, method=self.estimator, confidence=self.confidence)
+            mus.append(float(e.mu) if e.mu is not None else est.epsilon_to_mu(e.epsilon, self.delta) if e.epsilon > 0 else 0.0)
+        return np.array(mus)
 
     def _end_to_end(self, mu_step: float):
         """(accountant epsilon, end-to-end lower bound), cached per accountant kind (LiveEpsilon)."""

@@ -203,13 +203,17 @@ def epsilon_from_counts(
     return _estimate(epsilon, mu, math.nan, tp, fn, fp, tn, method, confidence, delta, True)
 
 
-def mu_from_counts(tp: int, fn: int, fp: int, tn: int, *, method: str = "gdp-cp", confidence: float = 0.95) -> float:
-    """Lower bound on the GDP mu alone (no epsilon conversion) for a GDP method's counts."""
+def mu_from_counts(tp, fn, fp, tn, *, method: str = "gdp-cp", confidence: float = 0.95):
+    """Lower bound on the GDP mu alone (no epsilon conversion) for a GDP method's counts.
+
+    Counts may be arrays of equal shape (one bound per entry, in one vectorized pass);
+    scalars give a float.
+    """
     if method not in ("gdp-cp", "gdp-bayes"):
         raise ValueError(f"Unexpected value for `method`: {method!r}; mu_from_counts takes gdp-cp or gdp-bayes")
     confidence = check_confidence(confidence)
     _, mu = _bound_from_counts(tp, fn, fp, tn, method=method, delta=1e-5, confidence=confidence)
-    return float(mu)
+    return float(mu) if np.ndim(mu) == 0 else mu
 
 
 def _estimate(eps, mu, threshold, tp, fn, fp, tn, method, confidence, delta, valid) -> EpsilonEstimate:

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 from scipy.optimize import brentq
-from scipy.stats import norm
+from scipy.special import log_ndtr, ndtr
 
 from ._checks import check_delta, check_nonnegative
 
@@ -30,9 +30,9 @@ def delta_for(mu: float, epsilon: float) -> float:
         return 0.0
     if math.isinf(mu):
         return 1.0
-    first = norm.cdf(-epsilon / mu + mu / 2.0)
+    first = ndtr(-epsilon / mu + mu / 2.0)
     # e^eps * Phi(x) computed in log space so that large epsilon does not overflow.
-    second = math.exp(epsilon + norm.logcdf(-epsilon / mu - mu / 2.0))
+    second = math.exp(epsilon + log_ndtr(-epsilon / mu - mu / 2.0))
     return float(min(1.0, max(0.0, first - second)))
 
 
