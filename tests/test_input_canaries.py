@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit import PrivacyAuditor, input_probe
 from lightning_dpaudit.bugs import inject_bug
 from lightning_dpaudit.digits import DigitsCNN, digits_holdout, make_private_digits, train_steps
 from lightning_dpaudit.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
-from lightning_dpaudit.input_probe import InputProbe, pivoted_cholesky
+from lightning_dpaudit.input_probe import InputProbe, pivoted_cholesky, symmetric_decorrelation
 from lightning_dpaudit.testing import train_audited
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
@@ -104,7 +104,7 @@ def test_observations_decorrelate_exactly_and_keep_more_strength_than_cholesky()
     g[5] = g[2] + 0.01 * rng.standard_normal(60)  # a near-duplicate: not both can be observed
     g = torch.as_tensor(3.0 * g / np.linalg.norm(g, axis=1, keepdims=True))  # norm 3C: clipped to C
     probe, strength = _probe_on(g)
-    directions = probe._directions.numpy()  # the clipped gradients, norm C
+    directions = probe._factors[:, :1] * g.numpy()  # the clipped gradients, norm C
     observed = np.flatnonzero(strength)
     assert not {2, 5} <= set(observed) and len(observed) >= 5
     assert np.all(strength[observed] >= 0.9) and np.all(strength[observed] <= 1.0 + 1e-12)
@@ -112,12 +112,116 @@ def test_observations_decorrelate_exactly_and_keep_more_strength_than_cholesky()
     assert strength[observed].sum() > cholesky.sum()  # the symmetric root has the largest trace
     # Without noise every observation is its canary's in/out bit exactly, whatever the others do.
     b = np.array([1, 0, 1, 1, 0, 1, 0, 1], dtype=bool)
-    idx, values = probe.project(torch.as_tensor(directions.T @ b), b)
+    idx, values = probe.project([torch.as_tensor(directions.T @ b)], [torch.zeros(60, dtype=torch.float64)], b)
     assert np.array_equal(idx, observed) and np.allclose(values, b[observed], atol=1e-9)
     # Noise z ~ N(0, I) reaches the observations as M z with M M^T = diag(1 / strength^2):
     # independent, each with the variance of its strength (columns of M from unit noise).
-    m = np.stack([probe.project(torch.as_tensor(e), np.zeros(8, bool))[1] for e in np.eye(60)], axis=1)
+    zero = [torch.zeros(60, dtype=torch.float64)]
+    m = np.stack([probe.project([torch.as_tensor(e)], zero, np.zeros(8, bool))[1] for e in np.eye(60)], axis=1)
     assert np.allclose(m @ m.T, np.diag(1.0 / strength[observed] ** 2), atol=1e-9)
+
+
+def test_rows_move_in_place_and_values_are_gathered_tensor_by_tensor(monkeypatch):
+    monkeypatch.setattr(input_probe, "CHUNK", 18)  # 3 columns a chunk over 6 rows
+    rng = np.random.default_rng(2)
+    params = [torch.zeros(3, 4), torch.zeros(5), torch.zeros(2, 2, 2)]
+    pool = torch.as_tensor([20, 0, 13, 12, 5, 24])
+    probe = InputProbe(params, None, SimpleNamespace(min_strength=0.1), np.ones(3), per_layer=False,
+                       max_grad_norm=1.0, loss_reduction="sum", pool=pool)
+    grads = [torch.as_tensor(rng.standard_normal((6, *p.shape)), dtype=torch.float32) for p in params]
+    original = [g.clone() for g in grads]
+    probe.prepare(grads)
+    released = [torch.as_tensor(rng.standard_normal(p.shape), dtype=torch.float32) for p in params]
+    zero = [torch.zeros_like(p) for p in params]
+    is_in, predicted = np.array([0, 1, 1, 0, 1, 0], dtype=bool), rng.standard_normal(len(pool))
+    observed, before = probe.project(released, zero, is_in, predicted)
+    assert len(observed) > 1
+    for which in (is_in, ~is_in, np.ones(6, bool), is_in):
+        rows = probe.canary_rows(which)
+        for row, g, held in zip(rows, original, grads):
+            assert torch.equal(row, g[np.flatnonzero(which)]) and row.data_ptr() == held.data_ptr()  # views
+        again = probe.project(released, zero, is_in, predicted)  # the rows' order does not matter
+        assert np.array_equal(again[0], observed) and np.allclose(again[1], before, rtol=1e-12)
+    whole = torch.cat([t.reshape(-1) for t in released]).double().numpy()
+    assert np.array_equal(probe.at_pool(released), whole[pool.numpy()])
+    assert np.array_equal(probe.gather(released, [24, 3, 12, 11]), whole[[24, 3, 12, 11]])
+
+
+def _flat_reference(grads, probe, released, data_sum, added, is_in, predicted):
+    """Observations the direct way: the (k, P) float64 directions, whole-model float64 vectors.
+
+    Returns (observed, values, noise at the pool).
+    """
+    k = grads[0].shape[0]
+    flat = [g.reshape(k, -1).double() for g in grads]
+    norms = torch.stack([f.norm(dim=1) for f in flat], dim=1)
+    if probe.per_layer:
+        factors = (torch.as_tensor(probe.clip_bounds)[None, :] / (norms + 1e-6)).clamp(max=1.0)
+    else:
+        total = norms.norm(dim=1, keepdim=True)
+        factors = (probe.max_grad_norm / (total + 1e-6)).clamp(max=1.0).expand_as(norms)
+    directions = torch.cat([f * factors[:, i : i + 1] for i, f in enumerate(flat)], dim=1)
+    gram = (directions @ directions.T).numpy()
+    observed, root, root_inverse = symmetric_decorrelation(gram, probe.canaries.min_strength * probe.max_grad_norm)
+
+    def whole(tensors):
+        return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+    difference = whole(released) - whole(data_sum)
+    noise = difference if added is None else difference - whole(added)
+    difference = difference.clone()
+    difference[probe.pool] -= torch.as_tensor(predicted)
+    b = np.asarray(is_in, dtype=float)
+    hidden = np.ones(k, dtype=bool)
+    hidden[observed] = False
+    along = (directions @ difference).numpy()[observed] - gram[np.ix_(observed, hidden)] @ b[hidden]
+    diag = np.diag(root)
+    values = (root_inverse @ along - root @ b[observed] + diag * b[observed]) / diag
+    return observed, values, noise[probe.pool].numpy()
+
+
+@pytest.mark.parametrize("clipping, mode, chunk", [
+    ("flat", "one-run", None), ("flat", "one-run", 777), ("per_layer", "paired", 1000), ("per_layer", "one-run", 5000),
+])
+def test_observations_match_the_flat_float64_computation(clipping, mode, chunk, monkeypatch):
+    """Tensor by tensor and chunk by chunk, the observations are those of the whole-model float64 algorithm."""
+    if chunk is not None:
+        monkeypatch.setattr(input_probe, "CHUNK", chunk)  # chunks end inside tensors and rows
+    inputs, labels = digits_holdout(64)
+    model, opt, loader, _ = make_private_digits(holdout=64, clipping=clipping)
+    canaries = InputCanaries("mislabeled", inputs=inputs, labels=labels, min_strength=0.3)  # many observed
+    auditor = PrivacyAuditor(opt, canary=canaries, module=model, canaries_per_step=16, mode=mode, seed=3)
+    probe, rng = auditor.input_probe, np.random.default_rng(0)
+    seen = {"grads": None, "calls": 0, "observed": 0}
+    prepare, project, observe = probe.prepare, probe.project, auditor._observe_input
+
+    def record_prepare(grads):
+        seen["grads"] = [g.clone() for g in grads]  # by canary, before canary_rows moves rows
+        return prepare(grads)
+
+    def checked_observe(data_sum, added, is_in):
+        released = [p.grad for p in probe.params]
+        sums = None if added is None else getattr(added, "values", added)  # the canaries' clipped sum, per tensor
+        reference = _flat_reference(seen["grads"], probe, released, data_sum, sums, is_in, np.zeros(len(probe.pool)))
+        noise = probe.at_pool(released) - probe.at_pool(data_sum) - (0.0 if sums is None else probe.at_pool(sums))
+        assert np.array_equal(noise, reference[2])  # gathered per tensor: the same float64 arithmetic
+        predicted = rng.standard_normal(len(probe.pool))  # the prediction's path, with an arbitrary prediction
+        observed, values = project(released, data_sum, is_in, predicted)
+        expected = _flat_reference(seen["grads"], probe, released, data_sum, sums, is_in, predicted)
+        assert np.array_equal(observed, expected[0])
+        np.testing.assert_allclose(values, expected[1], rtol=1e-6, atol=1e-9)
+        captured = {}
+        probe.project = lambda *a: captured.setdefault("out", project(*a))
+        observe(data_sum, added, is_in)  # the auditor's own reading (no noise repeats: no prediction)
+        assert np.array_equal(captured["out"][0], reference[0])
+        np.testing.assert_allclose(captured["out"][1], reference[1], rtol=1e-6, atol=1e-9)
+        seen["calls"] += 1
+        seen["observed"] += len(reference[0])
+
+    probe.prepare, auditor._observe_input = record_prepare, checked_observe
+    train_steps(model, opt, loader, 4)
+    assert seen["calls"] == (8 if mode == "paired" else 4) and seen["observed"] > 0
+    assert probe._grads == []  # the gradients are not kept past the step
 
 
 # ------------------------------------------------------------------ injection
