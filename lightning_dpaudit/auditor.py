@@ -262,6 +262,7 @@ class PrivacyAuditor:
             is_in[:] = False
             is_in[self.rng.permutation(k)[: k // 2]] = True
         self._privatize(lambda which: (probe.canary_rows(which), [None] * len(probe.params)), self._observe_input, is_in)
+        probe.release()
 
     def _privatize(self, rows_of, observe, is_in) -> None:
         """Release the step with canaries and observe them; leave the un-audited update.
@@ -302,11 +303,13 @@ class PrivacyAuditor:
 
     def _observe_input(self, data_sum, added, is_in) -> None:
         probe = self.input_probe
-        difference = probe.flat([p.grad for p in probe.params]) - probe.flat(data_sum)
-        if self.mode == "one-run" or added is None:
-            noise = difference if added is None else difference - probe.flat(added.values)
-            self._check_noise(probe.at_pool(noise))
-        observed, values = probe.project(difference, is_in)
+        released = [p.grad for p in probe.params]
+        if self.mode == "one-run" or added is None:  # the release the optimizer makes
+            noise = probe.at_pool(released) - probe.at_pool(data_sum)  # R - S - K at the pool, per tensor
+            if added is not None:
+                noise -= probe.at_pool(added.values)
+            self._check_noise(noise)
+        observed, values = probe.project(released, data_sum, is_in)
         layers = np.zeros(len(values), dtype=int)
         self.log.append(step=self.steps, layer=layers, kind=self.canary, is_in=is_in[observed], value=values)
         self.monitor.update(layers, is_in[observed], values)
