@@ -305,9 +305,10 @@ class PrivacyAuditor:
         probe = self.input_probe
         released = [p.grad for p in probe.params]
         if self.mode == "one-run" or added is None:  # the release the optimizer makes
-            noise = probe.at_pool(released) - probe.at_pool(data_sum)  # R - S - K at the pool, per tensor
+            pool = self.probe  # the one pool reader, kept in step with a restored pool
+            noise = pool.at_pool(released) - pool.at_pool(data_sum)  # R - S - K at the pool, per tensor
             if added is not None:
-                noise -= probe.at_pool(added.values)
+                noise -= pool.at_pool(added.values)
             self._check_noise(noise)
         observed, values = probe.project(released, data_sum, is_in)
         layers = np.zeros(len(values), dtype=int)
@@ -455,8 +456,6 @@ class PrivacyAuditor:
             self.input.builds = int(saved["builds"])
         if "pool" in state:
             self.probe.set_pool(state["pool"])
-            if self.input is not None:
-                self.input_probe.pool = self.probe.pool
         if "fingerprints" in state:
             self.fingerprints.load_state_dict(state["fingerprints"])
         self.log.load_state_dict(state["log"])
