@@ -129,7 +129,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="alternating plain/audited rounds")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--canaries", type=int, default=None, help="canaries_per_step of dirac (package default)")
-    parser.add_argument("--max-gb", type=float, default=18, help="address-space limit of each measuring process")
+    parser.add_argument("--max-gb", type=float, default=16, help="address-space limit of each measuring process")
     parser.add_argument("--out", help="also write the markdown table to this file")
     parser.add_argument("--cell", nargs=2, metavar=("SIZE", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--timing", nargs=2, metavar=("SIZE", "CONFIG"), help=argparse.SUPPRESS)
