@@ -1,0 +1,68 @@
+"""Where an audited step's time goes: the auditor's phases timed inside one training run.
+
+Digits CNN, batch 64, default auditor, 1 thread; each phase is wrapped with a timer and
+reported in ms per step next to the whole step.
+
+    .venv/bin/python bench/step_cost.py [--steps 300] [--batch-size 64]
+"""
+
+import argparse
+import collections
+import time
+import warnings
+
+import torch
+
+from lightning_dpaudit.auditor import PrivacyAuditor
+from lightning_dpaudit.digits import make_private_digits, train_steps
+
+
+def timed(times, obj, name, label):
+    original = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            times[label] += time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    times = collections.defaultdict(float)
+    model, optimizer, loader, _ = make_private_digits(batch_size=args.batch_size, seed=0)
+    auditor = PrivacyAuditor(optimizer, seed=0)
+    for obj, name, label in [
+        (auditor.sampler, "next_step", "draw canaries"),
+        (auditor.probe, "canary_rows", "build compressed rows"),
+        (auditor.probe, "clip", "optimizer's clipping of the canary rows"),
+        (auditor, "_release", "add_noise (the step's own)"),
+        (auditor, "_observe", "read release, observe, count"),
+        (auditor, "_check_noise", "  of which: noise fingerprint"),
+        (auditor.log, "append", "  of which: observation store"),
+        (auditor.monitor, "update", "  of which: monitor counts"),
+        (auditor, "_check", "anytime alarm check"),
+    ]:
+        timed(times, obj, name, label)
+    timed(times, optimizer, "add_noise", "whole audited add_noise")
+    start = time.perf_counter()
+    train_steps(model, optimizer, loader, args.steps)
+    total = time.perf_counter() - start
+    print(f"canaries/step={auditor.per_step} batch={args.batch_size} steps={args.steps} threads=1")
+    print("| phase | ms/step |")
+    print("| --- | --- |")
+    print(f"| whole training step | {1000 * total / args.steps:.3f} |")
+    for label, seconds in times.items():
+        print(f"| {label} | {1000 * seconds / args.steps:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
