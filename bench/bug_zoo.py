@@ -1,6 +1,6 @@
 """The bug zoo against the auditor at default settings: when does the alarm fire?
 
-    .venv/bin/python bench/bug_zoo.py [--steps 1000] [--seed 0] [--canary dirac] [--canaries 128]
+    .venv/bin/python bench/bug_zoo.py [--steps 1000] [--seed 0] [--canary dirac] [--canaries auto]
 """
 
 import argparse
@@ -17,8 +17,9 @@ def main():
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--canary", default="dirac", help="canary kind (gradient or input)")
-    parser.add_argument("--canaries", type=int, default=128, help="canaries per step")
+    parser.add_argument("--canaries", default="auto", help="canaries per step (default: the auditor's)")
     args = parser.parse_args()
+    args.canaries = args.canaries if args.canaries == "auto" else int(args.canaries)
     warnings.filterwarnings("ignore")
     print("| bug | claimed sigma | first alarm (step) | violating | mu anytime / claimed |")
     print("| --- | --- | --- | --- | --- |")
