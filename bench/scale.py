@@ -15,12 +15,13 @@ the ratio is of the medians, and plain's ms/step is the median over all its roun
 Each measuring process may use at most `--max-gb` of address space; a cell that needs
 more fails on its own (shown as "-", with the error) instead of starving the machine.
 
-    .venv/bin/python bench/scale.py --steps 10 --rounds 3 --out scale.md
+    .venv/bin/python bench/scale.py --steps 10 --rounds 3 --out scale.md --resume scale.jsonl
     .venv/bin/python bench/scale.py --sizes 0.1M 1M --steps 20 --rounds 3 --configs plain dirac
 """
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -131,6 +132,7 @@ def main():
     parser.add_argument("--canaries", type=int, default=None, help="canaries_per_step of dirac (package default)")
     parser.add_argument("--max-gb", type=float, default=16, help="address-space limit of each measuring process")
     parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--resume", metavar="FILE.jsonl", help="keep finished cells in FILE; a rerun skips them")
     parser.add_argument("--cell", nargs=2, metavar=("SIZE", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--timing", nargs=2, metavar=("SIZE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -147,9 +149,17 @@ def main():
     cells = [(s, "cell", c) for s in args.sizes for c in ["plain"] + audited]
     cells += [(s, "timing", c) for s in args.sizes for c in audited]
     cells.sort(key=lambda cell: list(SIZES).index(cell[0]))
-    results, start = {}, time.perf_counter()
+    results, kept, reused, start = {}, {}, 0, time.perf_counter()
+    if args.resume and os.path.exists(args.resume):
+        with open(args.resume) as f:
+            kept = {tuple(r["key"]): r["result"] for r in map(json.loads, f)}
     for i, (size, kind, config) in enumerate(cells, 1):
-        results[size, kind, config] = in_fresh_process(kind, size, config, args)
+        key = (size, kind, config, args.steps, args.rounds, args.threads, args.canaries)
+        reused += key in kept
+        results[size, kind, config] = kept.get(key) or in_fresh_process(kind, size, config, args)
+        if args.resume and key not in kept and "error" not in results[size, kind, config]:
+            with open(args.resume, "a") as f:
+                f.write(json.dumps({"key": key, "result": results[size, kind, config]}) + "\n")
         print(f"[{i}/{len(cells)}] {size} {config} {'memory' if kind == 'cell' else 'timing'}: "
               f"{results[size, kind, config]}  ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
@@ -191,7 +201,7 @@ def main():
         lines.append(f"- {c}: audited/plain time <= {TIME_RATIO}x from 1M parameters up: {verdict}")
     failed = [f"- {kind} {size} {c} failed: {r['error']}" for (size, kind, c), r in results.items() if "error" in r]
     lines += failed and ["", f"Failed cells (each process limited to {args.max_gb:g} GB of address space):"] + failed
-    lines.append(f"\ntotal {time.perf_counter() - start:.0f} s")
+    lines.append(f"\n{time.perf_counter() - start:.0f} s in this run ({reused} cells kept from --resume)")
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:
