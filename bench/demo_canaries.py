@@ -21,13 +21,12 @@ KINDS = ["dirac", "constant", "random", "mislabeled", "blank", "adversarial", "c
 
 
 def run(kind, out, threads):
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
     command = [sys.executable, "-m", "lightning_dpaudit.cli", "demo", "--canary", kind, "--no-progress-bar", "--out", out]
+    if threads:
+        command += ["--threads", str(threads)]
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    done = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     chosen = next(line for line in done.stdout.splitlines() if line.startswith("canary "))
     result = json.loads(next(Path(out).rglob("audit_report.json")).read_text())["result"]
@@ -37,7 +36,7 @@ def run(kind, out, threads):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
-    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the demo (default: torch's own)")
+    parser.add_argument("--threads", type=int, default=None, help="the demo's --threads (default: torch's choice)")
     args = parser.parse_args()
     print("| canary | chosen | seconds | eps lower bound | eps accountant | n in / out | load before / after |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

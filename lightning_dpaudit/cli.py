@@ -29,6 +29,10 @@ def _demo(args) -> int:
         plan = demo_plan(args.canary, args.steps, args.canaries)
         source = f" from the {plan['source']}" if plan["source"] else ""
         print(f"canary {args.canary!r}: {plan['canaries_per_step']} per step{source}, {plan['steps']} steps")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     start = time.perf_counter()
     trainer, callback = run_demo(
         steps=args.steps,
@@ -87,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="dpaudit_runs", help="where TensorBoard logs and the report go")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress-bar", action="store_true")
+    demo.add_argument(
+        "--threads", type=int, default=None,
+        help="torch intra-op threads (default: torch's choice); 1 is much faster when other work shares the cores",
+    )
     demo.set_defaults(run=_demo)
     report = commands.add_parser("report", help="print the summary of a finished audit")
     report.add_argument("directory", help="a run's log directory (or a folder above it)")

@@ -28,10 +28,10 @@ TRAIN = 1500  # of the 1,797 digits; the other 297 validate and supply input can
 # count and DEMO_STEPS.
 DEMO_STEPS = 600
 INPUT_DEMO = {
-    "mislabeled": (32, 500),
-    "blank": (16, 450),  # zero inputs: their gradients differ only by the label, so 16 see as much as 32
-    "adversarial": (32, 400),
-    "crafted": (32, 200),
+    "mislabeled": (32, 800),
+    "blank": (16, 800),  # zero inputs: their gradients differ only by the label, so 16 see as much as 32
+    "adversarial": (32, 800),
+    "crafted": (32, 400),
 }
 
 

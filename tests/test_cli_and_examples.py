@@ -40,20 +40,20 @@ def test_demo_writes_logs_and_report_and_report_command_reads_it(tmp_path, capsy
 
 
 @pytest.fixture
-def one_thread():
-    # Two intra-op threads on two cores that other processes share spin and wait: one
-    # thread keeps these short demos fast on a loaded machine.
+def restore_threads():
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("canary", [*GRADIENT_CANARIES, *INPUT_CANARIES])
-def test_every_demo_canary_ends_with_a_positive_bound(canary, tmp_path, capsys, one_thread):
-    # Few steps for speed; sigma 1 (per-step mu 1) makes the few observations enough for a positive bound.
-    args = ["demo", "--canary", canary, "--steps", "40", "--noise-multiplier", "1", "--out", str(tmp_path), "--no-progress-bar"]
+def test_every_demo_canary_ends_with_a_positive_bound(canary, tmp_path, capsys, restore_threads):
+    # Few steps for speed; sigma 1 (per-step mu 1) makes the few observations enough for a
+    # positive bound. One thread: two on two shared cores wait for each other.
+    args = ["demo", "--canary", canary, "--steps", "40", "--noise-multiplier", "1", "--threads", "1",
+            "--out", str(tmp_path), "--no-progress-bar"]
     assert main(args) == 0
+    assert torch.get_num_threads() == 1
     out = capsys.readouterr().out
     if canary in INPUT_CANARIES:
         assert f"canary {canary!r}: {INPUT_DEMO[canary][0]} per step from the 297 digits held out from training, 40 steps" in out
