@@ -1,0 +1,69 @@
+"""The audit of Opacus's DistributedDPOptimizer on two gloo processes (127.0.0.1), each launch bounded in time.
+
+The scenarios run in tests/ddp_scenarios.py; every launch fails, rather than hangs, if a
+rank does not finish within its timeout. All runs use fixed seeds, so they are
+deterministic; the statistical statement behind "a correct run is quiet" is the audit's
+own: a false alarm with probability <= 5% per run at the default confidence.
+"""
+
+import math
+
+import pytest
+
+from ddp_scenarios import launch
+from lightning_dpaudit.bugs import BUGS, DISTRIBUTED_BUGS
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    return launch("setups", tmp_path_factory.mktemp("setups"))
+
+
+def test_correct_run_updates_as_unaudited_and_every_rank_agrees(tmp_path):
+    ranks = launch("correct", tmp_path, steps=60)
+    first, second = ranks
+    assert first == second  # the same observations, counts and bounds on every rank
+    for rank in ranks:
+        assert rank["max_update_gap"] <= 1e-6  # each replica's update is the un-audited one
+        assert not rank["violation"] and rank["problems"] == []
+        assert rank["n_in"] == rank["n_out"] == 60 * rank["canaries_per_step"] // 2
+        # rank 1 adds no noise itself, yet it observes the reduced release: a tight, valid bound there too
+        assert 0.85 < rank["mu_lower_bound"] <= 1.0
+        assert rank["epsilon_lower_bound"] <= rank["epsilon_accountant"]
+
+
+def test_ddp_bug_zoo_is_flagged_and_a_correct_run_is_not(tmp_path):
+    names = ["correct", *DISTRIBUTED_BUGS, *BUGS]
+    found = launch("bugs", tmp_path, names=names, steps=150, timeout=420)
+    first, second = found
+    assert first == second
+    assert not first["correct"]["violation"]
+    missed = [name for name in names[1:] if not first[name]["violation"]]
+    assert not missed, f"not flagged under DDP: {missed}"
+    assert [p[0] for p in first["noise-on-other-rank"]["problems"]] == ["noise_placement"]
+    assert first["noise-over-world-size"]["mu_lower_bound"] > 1.5  # the noise is half the claim: mu near 2
+    assert "noise repeats" in first["reused-noise"]["violating"]
+
+
+def test_plain_dp_optimizer_in_a_job_of_two_processes_alarms_at_attach_on_every_rank(setups):
+    for rank in setups:
+        plain = rank["plain_optimizer"]
+        assert plain["optimizer"] == "DPOptimizer"
+        assert plain["error"] == "alert" and plain["message"] == ["distributed set-up"]
+
+
+def test_replicas_that_drift_apart_are_flagged_at_the_next_checksum(setups):
+    for rank in setups:
+        drift = rank["drift"]
+        assert drift["violation"] and drift["first_violation_step"] == 21
+        code, message, step = drift["problems"][0]
+        assert code == "replica_drift" and step == 21 and "param0" in message
+
+
+def test_sample_rate_that_ignores_the_world_size_is_flagged(setups):
+    for rank in setups:
+        answers = rank["sample_rate"]
+        assert not answers["sharded"]["violation"]
+        code, message, _ = answers["unsharded"]["problems"][0]
+        assert code == "sample_rate" and "0.50 x" in message
+        assert math.isnan(answers["unsharded"]["epsilon_accountant"])  # nothing trained: the flag came first
