@@ -67,3 +67,38 @@ def test_sample_rate_that_ignores_the_world_size_is_flagged(setups):
         code, message, _ = answers["unsharded"]["problems"][0]
         assert code == "sample_rate" and "0.50 x" in message
         assert math.isnan(answers["unsharded"]["epsilon_accountant"])  # nothing trained: the flag came first
+
+
+def _run_example(args, tmp_path, timeout=240):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"{args}: did not end within {timeout} s")
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+def test_both_examples_run_on_two_processes(tmp_path):
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = _run_example(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                         str(root / "examples" / "ddp_torchrun.py"), "--steps", "10", "--out", "tr"], tmp_path)
+    assert text.count("OK: no leak beyond the claim detected") == 1
+    result = json.loads((tmp_path / "tr" / "audit_report.json").read_text())["result"]
+    assert result["steps"] == 10 and math.isfinite(result["epsilon_lower_bound"]) and result["epsilon_lower_bound"] > 0
+    _run_example([str(root / "examples" / "lightning_ddp.py"), "--steps", "10", "--out", "runs"], tmp_path)
+    (report,) = (tmp_path / "runs").glob("lightning_ddp/version_*/audit_report.json")
+    assert json.loads(report.read_text())["result"]["steps"] == 10
