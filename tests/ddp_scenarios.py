@@ -70,7 +70,7 @@ def _loader(rank: int, world: int, n: int = 1024, batch: int = 32, sharded: bool
     return DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False))
 
 
-def _private(rank, world, *, wrap=True, noise_seed=7, sharded=True, noise_multiplier=1.0):
+def _private(rank, world, *, wrap=True, noise_seed=7, sharded=True, noise_multiplier=1.0, clipping="flat"):
     """A DP model, its optimizer (a DistributedDPOptimizer when wrapped) and loader; Poisson sampling off (fixed batches)."""
     import torch
     from opacus import PrivacyEngine
@@ -82,7 +82,8 @@ def _private(rank, world, *, wrap=True, noise_seed=7, sharded=True, noise_multip
     engine = PrivacyEngine()
     module, optimizer, loader = engine.make_private(
         module=module, optimizer=optimizer, data_loader=_loader(rank, world, sharded=sharded),
-        noise_multiplier=noise_multiplier, max_grad_norm=1.0, poisson_sampling=False,
+        noise_multiplier=noise_multiplier, poisson_sampling=False, clipping=clipping,
+        max_grad_norm=1.0 if clipping == "flat" else [0.5] * len(list(model.parameters())),
         noise_generator=torch.Generator().manual_seed(noise_seed),
     )
     return module, optimizer, loader, engine
@@ -119,8 +120,9 @@ def correct(rank, world, options):
     from lightning_dpaudit import PrivacyAuditor
 
     steps = int(options.get("steps", STEPS))
-    audited = _private(rank, world)
-    plain = _private(rank, world)
+    clipping = options.get("clipping", "flat")
+    audited = _private(rank, world, clipping=clipping)
+    plain = _private(rank, world, clipping=clipping)
     auditor = PrivacyAuditor(audited[1], seed=options.get("seed"), checksum_every=10)
     gaps = []
     batches = list(audited[2])
@@ -135,6 +137,7 @@ def correct(rank, world, options):
     summary["max_update_gap"] = max(gaps)
     summary["observations"] = auditor.observations()["value"][:64].tolist()
     summary["canaries_per_step"] = auditor.per_step
+    summary["optimizer"] = type(audited[1]).__name__
     return summary
 
 

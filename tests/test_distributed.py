@@ -22,6 +22,7 @@ def setups(tmp_path_factory):
 def test_correct_run_updates_as_unaudited_and_every_rank_agrees(tmp_path):
     ranks = launch("correct", tmp_path, steps=60)
     first, second = ranks
+    assert first["optimizer"] == "DistributedDPOptimizer"
     assert first == second  # the same observations, counts and bounds on every rank
     for rank in ranks:
         assert rank["max_update_gap"] <= 1e-6  # each replica's update is the un-audited one
@@ -30,6 +31,13 @@ def test_correct_run_updates_as_unaudited_and_every_rank_agrees(tmp_path):
         # rank 1 adds no noise itself, yet it observes the reduced release: a tight, valid bound there too
         assert 0.85 < rank["mu_lower_bound"] <= 1.0
         assert rank["epsilon_lower_bound"] <= rank["epsilon_accountant"]
+
+
+def test_per_layer_clipping_under_ddp_is_audited(tmp_path):
+    first, second = launch("correct", tmp_path, steps=30, clipping="per_layer")
+    assert first == second and first["optimizer"] == "SimpleDistributedPerLayerOptimizer"
+    assert first["max_update_gap"] <= 1e-6 and not first["violation"]
+    assert 0.3 < first["mu_lower_bound"] <= 0.5  # each tensor's claim: C_l / (sigma * C) = 0.5 / 1.0
 
 
 def test_ddp_bug_zoo_is_flagged_and_a_correct_run_is_not(tmp_path):
