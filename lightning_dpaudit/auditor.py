@@ -66,12 +66,12 @@ def _check_optimizer(optimizer):
             "returned by `PrivacyEngine.make_private(...)`"
         )
     name = type(optimizer).__name__
+    dist.check_supported(optimizer)
     if any("FastGradientClipping" in c.__name__ for c in type(optimizer).__mro__):
         raise TypeError(
             f"{name} uses fast (ghost) gradient clipping: per-sample gradients never exist, so gradient canaries "
             "cannot enter its clipping. Use grad_sample_mode='hooks' (the default) for an audited run."
         )
-    dist.check_supported(optimizer)
     if any(c.__name__ == "AdaClipDPOptimizer" for c in type(optimizer).__mro__):
         raise TypeError("AdaClipDPOptimizer adapts its clipping bound to the batch; canary rows would bias it")
     if getattr(optimizer, "_dpaudit_auditor", None) is not None:

@@ -110,3 +110,17 @@ def test_both_examples_run_on_two_processes(tmp_path):
     _run_example([str(root / "examples" / "lightning_ddp.py"), "--steps", "10", "--out", "runs"], tmp_path)
     (report,) = (tmp_path / "runs").glob("lightning_ddp/version_*/audit_report.json")
     assert json.loads(report.read_text())["result"]["steps"] == 10
+
+
+@pytest.mark.parametrize("name, words", [("FSDPOptimizerFastGradientClipping", "FSDP"), ("DistributedPerLayerOptimizer", "backward hooks")])
+def test_distributed_optimizers_the_audit_cannot_read_are_refused_with_the_alternative(name, words):
+    import opacus.optimizers.ddp_perlayeroptimizer as per_layer
+    import opacus.optimizers.fsdpoptimizer_fast_gradient_clipping as fsdp
+
+    from lightning_dpaudit import PrivacyAuditor
+
+    cls = getattr(per_layer, name, None) or getattr(fsdp, name)
+    optimizer = cls.__new__(cls)  # the class is what is refused
+    with pytest.raises(TypeError, match=words) as error:
+        PrivacyAuditor(optimizer)
+    assert "DPDDP" in str(error.value)
