@@ -27,6 +27,7 @@ import torch
 from . import estimators as est
 from .estimators.live_epsilon import LiveEpsilon
 from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
+from .findings import Evidence, diagnose
 from .input_canaries import INPUT_KINDS, InputCanaries
 from .input_probe import InputProbe, check_input_model
 from .monitor import POOLED, REPEATS, AnytimeMonitor
@@ -204,6 +205,7 @@ class PrivacyAuditor:
         self.steps = 0
         self._live_epsilon = None
         self._alerted = False
+        self.extra_findings: list = []  # Finding records of other checks; they lead result().findings
         self._attach()
 
     # ------------------------------------------------------------------ wiring
@@ -383,6 +385,7 @@ class PrivacyAuditor:
         violating = tuple(_group_name(g, self.layer_names) for g in sorted(self.monitor.first_violation))
         first = min(self.monitor.first_violation.values()) if self.monitor.first_violation else None
         eps_accountant, eps_lower = self._end_to_end(mu_step) if accounting else (math.nan, math.nan)
+        findings = diagnose(self._evidence(anytime), violation=bool(violating), first_violation_step=first, extra=self.extra_findings)
         return AuditResult(
             epsilon_lower_bound=eps_lower,
             epsilon_accountant=eps_accountant,
@@ -405,6 +408,29 @@ class PrivacyAuditor:
             mode=self.mode,
             canary=self.canary,
             layers=tuple(layers),
+            findings=findings,
+        )
+
+    def _evidence(self, anytime: dict) -> Evidence:
+        """The numpy state findings.diagnose reads: moments per tensor, claims, alarms, noise repeats."""
+        tensors = len(self.layer_names)
+        moments = np.zeros((tensors, 2, 3))
+        logged = self.log.moments()[:tensors]
+        moments[: len(logged)] = logged
+        return Evidence(
+            moments=moments,
+            claims=np.array([self.monitor.claims[i] for i in range(tensors)], dtype=float),
+            names=tuple(self.layer_names),
+            confidence=self.confidence,
+            noise_multiplier=float(self.optimizer.noise_multiplier),
+            mu_claimed=self.mu_claimed,
+            gradient=self.input is None,
+            alarms=dict(self.monitor.first_violation),
+            mu_anytime=dict(anytime),
+            first_repeat=self.fingerprints.first_repeat,
+            repeats=self.fingerprints.matches,
+            batch_size=getattr(self.optimizer, "expected_batch_size", None),
+            canary_scale=self.probe.scale,
         )
 
     def _mu_lower(self, counts: np.ndarray) -> np.ndarray:
