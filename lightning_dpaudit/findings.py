@@ -121,7 +121,7 @@ def shift_interval(moments: np.ndarray, a: float) -> Optional[_Interval]:
         n, s, q = moments[:, side].sum(axis=0)
         if n < 2:
             return None
-        sides.append((n, s / n, max(q - s * s / n, 0.0) / (n - 1)))
+        sides.append((float(n), float(s / n), max(float(q - s * s / n), 0.0) / (n - 1)))
     (n1, m1, v1), (n0, m0, v0) = sides
     se2 = v1 / n1 + v0 / n0
     d = m1 - m0
