@@ -385,7 +385,9 @@ class PrivacyAuditor:
         violating = tuple(_group_name(g, self.layer_names) for g in sorted(self.monitor.first_violation))
         first = min(self.monitor.first_violation.values()) if self.monitor.first_violation else None
         eps_accountant, eps_lower = self._end_to_end(mu_step) if accounting else (math.nan, math.nan)
-        findings = diagnose(self._evidence(anytime), violation=bool(violating), first_violation_step=first, extra=self.extra_findings)
+        findings = diagnose(
+            self._evidence(anytime), violation=bool(violating), first_violation_step=first, extra=self.extra_findings
+        )
         return AuditResult(
             epsilon_lower_bound=eps_lower,
             epsilon_accountant=eps_accountant,

@@ -25,12 +25,13 @@ noise_repeats the fingerprint test found a step whose noise repeats an earlier o
 general      a violation none of these explains.
 
 Error budget: the m interval tests (pooled noise and clipping, and per tensor when there
-are several) share alpha = 1 - confidence, a / m each (Bonferroni), so a correct
+are several) share alpha = 1 - confidence, a = alpha / m each (Bonferroni), so a correct
 implementation shows any noise_scale, clipping or layer evidence with probability at
 most alpha; findings are computed only after the alarm fired, which a correct run does
 with probability at most alpha as well. The intervals quoted hold together at the
 audit's confidence. Input canaries' observations have canary-dependent scales and
-in-means below 1, so only noise_repeats and general apply to them.
+in-means below 1, so only noise_repeats and general apply to them. Findings of other
+checks (`extra`) come first and are kept whatever the verdict.
 """
 
 from __future__ import annotations
@@ -155,12 +156,11 @@ def _moment_findings(ev: Evidence, first_violation_step):
     tensors = len(ev.names)
     a = (1.0 - ev.confidence) / (2 + (2 * tensors if tensors > 1 else 0))
     everything = list(range(tensors))
-    tests = (  # interval, its evidence, "the others lie above / below the named": the tensors differ
-        (lambda ts: noise_interval(m[ts], claims[ts], a), _low, lambda named, others: others.low > named.high, _noise_layer, _noise_scale),
-        (lambda ts: shift_interval(m[ts], a), _high, lambda named, others: others.high < named.low, _clipping_layer, _clipping),
-    )
+    noise = (lambda ts: noise_interval(m[ts], claims[ts], a), _low, lambda named, others: others.low > named.high)
+    shift = (lambda ts: shift_interval(m[ts], a), _high, lambda named, others: others.high < named.low)
+    tests = ((*noise, _noise_layer, _noise_scale), (*shift, _clipping_layer, _clipping))
     found, explained = [], set()
-    for interval, shows, apart, layer_finding, model_finding in tests:
+    for interval, shows, apart, layer_finding, model_finding in tests:  # apart: the named and the others differ
         confined = _confined(interval, shows, apart, tensors) if tensors > 1 else None
         if confined is not None:
             named, per_tensor, joint, others = confined
@@ -222,14 +222,17 @@ def noise_hint(iv: _Interval, sigma: float, batch_size: Optional[int]) -> str:
         return "no noise reaches the release"
     candidates = [(0.5, f"half the claimed noise (noise multiplier {sigma / 2:.3g} applied, {sigma:.3g} claimed?)")]
     if batch_size:
-        candidates.append((1.0 / batch_size, f"about 1/{batch_size}, one over the expected batch size: calibrated to C/B, the batch mean's sensitivity, instead of C?"))
+        candidates.append(
+            (1.0 / batch_size, f"about 1/{batch_size}, one over the expected batch size: calibrated to C/B, the batch "
+             "mean's sensitivity, instead of C?")
+        )
     if sigma > 1.0 / 0.9:
         candidates.append((1.0 / sigma, "noise std C: the noise multiplier left out?"))
     if sigma < 0.9:
         candidates.append((sigma, "noise std sigma^2 C: the variance used as the std?"))
-    inside = [(abs(math.log(v / iv.value)) if iv.value > 0 else math.inf, h) for v, h in candidates if iv.low / SLACK <= v <= iv.high * SLACK]
+    inside = [(v, h) for v, h in candidates if iv.low / SLACK <= v <= iv.high * SLACK]
     if inside:
-        return min(inside)[1]
+        return min(inside, key=lambda c: abs(math.log(c[0] / iv.value)) if iv.value > 0 else 0.0)[1]
     return f"noise multiplier about {iv.value * sigma:.3g} applied, {sigma:.3g} claimed"
 
 
