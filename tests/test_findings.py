@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dpaudit.auditor import PrivacyAuditor
+import lightning_dpaudit
+from lightning_dpaudit.auditor import PrivacyAuditor, PrivacyViolationWarning
+from lightning_dpaudit.bugs import inject_bug
 from lightning_dpaudit.digits import make_private_digits, train_steps
 from lightning_dpaudit.findings import Evidence, diagnose, noise_interval, shift_interval
 from lightning_dpaudit.monitor import POOLED
 from lightning_dpaudit.results import Finding, violation_message
-from lightning_dpaudit.testing import audit_optimizer
+from lightning_dpaudit.testing import PrivacyAuditFailure, audit_optimizer
 
 NAMES = tuple(f"t{i}" for i in range(8))
 # observations per side and tensor, shaped like a digits run of about 30 steps
@@ -238,14 +240,23 @@ def test_alert_and_failure_messages_carry_the_findings():
     first, cause = violation_message(result).splitlines()
     assert first.startswith("DP audit violation at step 1: per-step mu lower bound")
     assert cause.startswith("  - noise_scale: noise std 0.0") and "calibrated to C/B" in cause
+    with pytest.raises(PrivacyAuditFailure, match=r"leaks more than it claims: .*\n  - clipping: in-canaries move the release"):
+        audit_optimizer(bug="no-clipping", steps=20)
+    with pytest.warns(PrivacyViolationWarning, match=r"violating: classifier.3.bias\n  - layer: noise std below the claim"):
+        audited(0, 60, bug="unnoised-layer", on_violation=None)
+    assert lightning_dpaudit.Finding is Finding
 
 
 # ---------------------------------------------------------------------- correct runs
 
 
-def correct_auditor(seed: int, steps: int, **options) -> PrivacyAuditor:
-    model, optimizer, loader, _ = make_private_digits(seed=seed, clipping=options.pop("clipping", "flat"))
-    auditor = PrivacyAuditor(optimizer, module=model, seed=seed, on_violation=lambda result: None, **options)
+def audited(seed: int, steps: int, *, bug=None, clipping="flat", **options) -> PrivacyAuditor:
+    """An auditor after `steps` digits steps of Opacus (with `bug` injected); it alerts through `on_violation`."""
+    model, optimizer, loader, _ = make_private_digits(seed=seed, clipping=clipping)
+    if bug is not None:
+        inject_bug(optimizer, bug)
+    options.setdefault("on_violation", lambda result: None)
+    auditor = PrivacyAuditor(optimizer, module=model, seed=seed, **options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook.*")
         train_steps(model, optimizer, loader, steps, loss_fn=torch.nn.CrossEntropyLoss())
@@ -256,7 +267,7 @@ def correct_auditor(seed: int, steps: int, **options) -> PrivacyAuditor:
 def test_correct_opacus_has_no_finding(seed, options):
     # No alarm, so no findings; and diagnosed as if it had alarmed, no code but "general"
     # fires. Each seed fails with probability <= 2.5% (the simulated rate is about 0.8%).
-    auditor = correct_auditor(seed, 100, **options)
+    auditor = audited(seed, 100, **options)
     result = auditor.result(accounting=False)
     assert not result.violation and result.findings == ()
     forced = diagnose(auditor._evidence({POOLED: 1.1}), violation=True)
