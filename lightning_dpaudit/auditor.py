@@ -28,13 +28,14 @@ from . import distributed as dist
 from . import estimators as est
 from .estimators.live_epsilon import LiveEpsilon
 from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
+from .findings import Evidence, diagnose
 from .input_canaries import INPUT_KINDS, InputCanaries
 from .input_probe import InputProbe, check_input_model
 from .monitor import POOLED, REPEATS, SETUP, AnytimeMonitor
 from .noise_fingerprints import NoiseFingerprints
 from .observations import ObservationLog
 from .probe import GradientProbe
-from .results import AuditResult, LayerAudit, violation_message
+from .results import AuditResult, Finding, LayerAudit, violation_message
 
 MODES = ("one-run", "paired")
 DEFAULT_GRADIENT_CANARIES = 1024
@@ -213,8 +214,8 @@ class PrivacyAuditor:
         self.steps = 0
         self._live_epsilon = None
         self._alerted = False
+        self.extra_findings: list = []  # Finding records of other checks; they lead result().findings
         self.checksum_every = int(checksum_every)
-        self.problems: list = []  # (code, message, step) of set-up problems found outside the canaries
         self._pending = None
         if self.collectives is not None:
             self.collectives.verify_same(
@@ -420,11 +421,16 @@ class PrivacyAuditor:
 
     def _note_problem(self, code: str, message: Optional[str], step: int = 0) -> None:
         """Record a set-up problem found outside the canaries (a certainty, not a statistical test) and alarm."""
-        if not message or any(code == known[0] for known in self.problems):
+        if not message or any(code == known.code for known in self.extra_findings):
             return
-        self.problems.append((code, message, int(step)))
+        self.extra_findings.append(Finding(code, message, first_step=int(step)))
         self.monitor.flag(SETUP, int(step))
         self._check()
+
+    @property
+    def problems(self) -> list:
+        """(code, message, step) of the set-up problems found so far."""
+        return [(f.code, f.message, f.first_step) for f in self.extra_findings]
 
     def check_sample_rate(self, batches_per_epoch: int) -> None:
         """Flag an accountant whose sample rate ignores the world size (distributed.sample_rate_problem)."""
@@ -516,6 +522,9 @@ class PrivacyAuditor:
         violating = tuple(_group_name(g, self.layer_names) for g in sorted(self.monitor.first_violation))
         first = min(self.monitor.first_violation.values()) if self.monitor.first_violation else None
         eps_accountant, eps_lower = self._end_to_end(mu_step) if accounting else (math.nan, math.nan)
+        findings = diagnose(
+            self._evidence(anytime), violation=bool(violating), first_violation_step=first, extra=self.extra_findings
+        )
         return AuditResult(
             epsilon_lower_bound=eps_lower,
             epsilon_accountant=eps_accountant,
@@ -538,6 +547,29 @@ class PrivacyAuditor:
             mode=self.mode,
             canary=self.canary,
             layers=tuple(layers),
+            findings=findings,
+        )
+
+    def _evidence(self, anytime: dict) -> Evidence:
+        """The numpy state findings.diagnose reads: moments per tensor, claims, alarms, noise repeats."""
+        tensors = len(self.layer_names)
+        moments = np.zeros((tensors, 2, 3))
+        logged = self.log.moments()[:tensors]
+        moments[: len(logged)] = logged
+        return Evidence(
+            moments=moments,
+            claims=np.array([self.monitor.claims[i] for i in range(tensors)], dtype=float),
+            names=tuple(self.layer_names),
+            confidence=self.confidence,
+            noise_multiplier=float(self.optimizer.noise_multiplier),
+            mu_claimed=self.mu_claimed,
+            gradient=self.input is None,
+            alarms=dict(self.monitor.first_violation),
+            mu_anytime=dict(anytime),
+            first_repeat=self.fingerprints.first_repeat,
+            repeats=self.fingerprints.matches,
+            batch_size=getattr(self.optimizer, "expected_batch_size", None),
+            canary_scale=self.probe.scale,
         )
 
     def _mu_lower(self, counts: np.ndarray) -> np.ndarray:
@@ -594,7 +626,7 @@ class PrivacyAuditor:
             self.fingerprints.load_state_dict(state["fingerprints"])
         self.log.load_state_dict(state["log"])
         self.monitor.load_state_dict(state["monitor"])
-        self.problems = [(str(c), str(m), int(s)) for c, m, s in state.get("problems", [])]
+        self.extra_findings = [Finding(str(c), str(m), first_step=int(s)) for c, m, s in state.get("problems", [])]
 
 
 def auto_canaries(canary, parameters: int, support: int) -> int:

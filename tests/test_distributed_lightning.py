@@ -53,6 +53,14 @@ def test_make_private_on_the_bare_module_raises_on_every_rank_before_training(tm
     assert "DistributedDPOptimizer" in text  # the message says how to fix it
 
 
+def test_accountant_sample_rate_of_one_rank_raises_on_every_rank_at_train_start(tmp_path):
+    code, text = run("unsharded", tmp_path, "--alert", "raise")
+    assert code != 0 and "finished at step" not in text
+    for rank in ("[rank0]", "[rank1]"):
+        assert any(rank in line and "PrivacyViolationError" in line for line in text.splitlines()), text[-3000:]
+    assert "sample rate" in text and "DistributedSampler" in text
+
+
 def test_alert_raise_and_stop_end_the_job_on_every_rank(tmp_path):
     code, text = run("recipe", tmp_path / "raise", "--steps", "40", "--bug", "no-noise", "--alert", "raise")
     assert code != 0 and "finished at step" not in text
