@@ -222,10 +222,23 @@ def sample_rate(rank, world, options):
     return answers
 
 
+def disagreement(rank, world, options):
+    """The last rank asks for other canaries than the rest: every rank refuses at attach."""
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.distributed import DistributedSetupError
+
+    _, optimizer, _, _ = _private(rank, world)
+    try:
+        PrivacyAuditor(optimizer, canaries_per_step=512 if rank == world - 1 else 1024)
+    except DistributedSetupError as error:
+        return str(error)
+    return None
+
+
 def setups(rank, world, options):
-    """The broken set-ups that need no canaries, in one job: plain optimizer, drift, sample rate."""
+    """The broken set-ups that need no canaries, in one job: plain optimizer, drift, sample rate, disagreement."""
     return {"plain_optimizer": plain_optimizer(rank, world, options), "drift": drift(rank, world, options),
-            "sample_rate": sample_rate(rank, world, options)}
+            "sample_rate": sample_rate(rank, world, options), "disagreement": disagreement(rank, world, options)}
 
 
 def main() -> None:

@@ -68,6 +68,11 @@ def test_replicas_that_drift_apart_are_flagged_at_the_next_checksum(setups):
         assert code == "replica_drift" and step == 21 and "param0" in message
 
 
+def test_ranks_that_disagree_about_the_audit_refuse_it_at_attach(setups):
+    for rank in setups:
+        assert rank["disagreement"] is not None and "disagree about the audit's settings" in rank["disagreement"]
+
+
 def test_sample_rate_that_ignores_the_world_size_is_flagged(setups):
     for rank in setups:
         answers = rank["sample_rate"]
