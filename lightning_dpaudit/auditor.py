@@ -420,12 +420,20 @@ class PrivacyAuditor:
     # ------------------------------------------------------------------ set-up problems
 
     def _note_problem(self, code: str, message: Optional[str], step: int = 0) -> None:
-        """Record a set-up problem found outside the canaries (a certainty, not a statistical test) and alarm."""
+        """Record a set-up problem found outside the canaries (a certainty, not a statistical test).
+
+        Alarms at once on one process; a distributed step alarms at its own check, which
+        every rank reaches together.
+        """
+        if self._record_problem(code, message, step) and self.collectives is None:
+            self._check()
+
+    def _record_problem(self, code: str, message: Optional[str], step: int) -> bool:
         if not message or any(code == known.code for known in self.extra_findings):
-            return
+            return False
         self.extra_findings.append(Finding(code, message, first_step=int(step)))
         self.monitor.flag(SETUP, int(step))
-        self._check()
+        return True
 
     @property
     def problems(self) -> list:
@@ -435,7 +443,8 @@ class PrivacyAuditor:
     def check_sample_rate(self, batches_per_epoch: int) -> None:
         """Flag an accountant whose sample rate ignores the world size (distributed.sample_rate_problem)."""
         rate = dist.sample_rate_of(self.optimizer)
-        self._note_problem("sample_rate", dist.sample_rate_problem(rate, batches_per_epoch, dist.world_size()), self.steps)
+        self._record_problem("sample_rate", dist.sample_rate_problem(rate, batches_per_epoch, dist.world_size()), self.steps)
+        self._check()  # every rank calls this method, so every rank reaches the check
 
     def _observe_input(self, data_sum, added, is_in) -> None:
         probe = self.input_probe
@@ -477,7 +486,23 @@ class PrivacyAuditor:
         return self.sentinels if self.sentinels is not None else slice(None)
 
     def _check(self) -> None:
+        """Alert once when a test fired; under DDP every rank alerts at the same check.
+
+        The ranks' observations are identical unless the reduction is broken, so one small
+        all-reduce per check tells each rank whether any rank fired; a rank that did not
+        records why (its release differs from another rank's) and alerts with it.
+        """
         fired = self.monitor.check(self.steps)
+        if self.collectives is not None and not self._alerted:
+            if self.collectives.any(bool(fired)) and not fired:
+                self._record_problem(
+                    "rank_disagreement",
+                    "another rank's audit fired while this rank's did not: the ranks released different "
+                    "gradients (the all-reduce after the noise is missing or altered), so the replicas do not "
+                    "apply one noised update",
+                    self.steps,
+                )
+                fired = self.monitor.check(self.steps)
         if fired and not self._alerted:
             self._alerted = True
             result = self.result()

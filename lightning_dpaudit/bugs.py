@@ -179,9 +179,19 @@ class NoiseOverWorldSize(_NoiseBug):
         return [std / self.world_size for std in super()._stds()]
 
 
+class SkippedReduction(_Bug):
+    """Distributed: reduce_gradients skips the all-reduce; each replica applies its own shard's gradient."""
+
+    def reduce_gradients(self):
+        if self.loss_reduction == "mean":
+            for p in self.params:
+                p.grad /= self.world_size
+
+
 _DISTRIBUTED_MIXINS = {
     "noise-on-other-rank": NoiseOnOtherRank,
     "noise-over-world-size": NoiseOverWorldSize,
+    "skipped-reduction": SkippedReduction,
 }
 
 _MIXINS = {

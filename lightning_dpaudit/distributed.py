@@ -146,6 +146,12 @@ class Collectives:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
         return t.cpu().numpy()
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any rank."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
     def own_slot(self, values: np.ndarray) -> np.ndarray:
         """(W, len(values)) with this rank's values in its row and zeros elsewhere: summed, every rank's row."""
         rows = np.zeros((self.size, len(values)))
