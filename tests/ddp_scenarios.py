@@ -49,6 +49,21 @@ def launch(scenario: str, out: Path, world: int = 2, timeout: float = 240.0, **o
     return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in range(world)]
 
 
+def run_bounded(args, timeout: float = 240.0, cwd=None):
+    """(exit code, output) of `python args...`, its process group killed and the test failed after `timeout` s."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"{args}: the job did not end within {timeout:.0f} s (a rank hangs)")
+    return proc.returncode, text
+
+
 # ---------------------------------------------------------------------- inside each rank
 
 

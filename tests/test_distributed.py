@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from ddp_scenarios import launch
+from ddp_scenarios import launch, run_bounded
 from lightning_dpaudit.bugs import BUGS, DISTRIBUTED_BUGS
 
 
@@ -87,22 +87,8 @@ def test_sample_rate_that_ignores_the_world_size_is_flagged(setups):
 
 
 def _run_example(args, tmp_path, timeout=240):
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        text = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"{args}: did not end within {timeout} s")
-    assert proc.returncode == 0, text[-3000:]
+    code, text = run_bounded(args, timeout=timeout, cwd=tmp_path)
+    assert code == 0, text[-3000:]
     return text
 
 

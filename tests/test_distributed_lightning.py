@@ -6,28 +6,16 @@ starts the second rank itself. Fixed seeds; a correct run false-alarms with prob
 """
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
+
+from ddp_scenarios import run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(variant, out, *args, timeout=240):
     """(exit code, output) of a 2-process Lightning run; a hang fails the test at `timeout`."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "lightning_ddp_runs.py"), variant, str(out), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )
-    try:
-        text = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"{variant} {args}: the job did not end within {timeout} s (a rank hangs)")
-    return proc.returncode, text
+    return run_bounded([ROOT / "tests" / "lightning_ddp_runs.py", variant, out, *args], timeout=timeout)
 
 
 def test_recipe_is_quiet_reports_from_rank_zero_and_resumes(tmp_path):
