@@ -153,6 +153,7 @@ def correct(rank, world, options):
     summary["observations"] = auditor.observations()["value"][:64].tolist()
     summary["canaries_per_step"] = auditor.per_step
     summary["optimizer"] = type(audited[1]).__name__
+    summary["result"] = auditor.result().to_dict()  # the whole AuditResult, compared across ranks
     return summary
 
 
