@@ -375,19 +375,24 @@ class PrivacyAuditor:
             self._check()
 
     def _observe_reduced(self, canaries, data_at_pool, canaries_at_pool, own_noise, factor) -> None:
-        """Observe the reduced release G: one all-reduce gives S, K and each rank's noise (and checksums when due).
+        """Observe the reduced release G after one all-reduce of S and K (at the canaries' and
+        sentinels' coordinates), each rank's own noise and, when due, the replicas' checksums.
 
         observation = <w, G / f - S> / C_l, identical on every rank; then G -= f * K.
         """
         probe, c = self.probe, self.collectives
         params = probe.params
         n = len(probe.pool)
+        read = np.unique(np.concatenate([canaries.pool_index.ravel(), np.arange(n)[self._noise_coords()]]))
+        m = len(read)  # only the canaries' and the sentinels' pool positions are summed
         checksums = self.checksum_every > 0 and self.steps % self.checksum_every == 0
-        parts = [data_at_pool, canaries_at_pool, c.own_slot([own_noise])]
+        parts = [data_at_pool[read], canaries_at_pool[read], c.own_slot([own_noise])]
         if checksums:
             parts.append(c.own_slot(dist.parameter_checksums(params)))
         total = c.sum(np.concatenate(parts))
-        data, added, noise_by_rank = total[:n], total[n : 2 * n], total[2 * n : 2 * n + c.size]
+        data, added = np.zeros(n), np.zeros(n)
+        data[read], added[read] = total[:m], total[m : 2 * m]
+        noise_by_rank = total[2 * m : 2 * m + c.size]
         released = probe.at_pool([p.grad for p in params]) / factor - data
         self._check_noise(released - added)
         values = probe.project(released, canaries)
@@ -406,7 +411,7 @@ class PrivacyAuditor:
                 step,
             )
         if checksums:
-            drifted = dist.drifted_tensors(total[2 * n + c.size :].reshape(c.size, -1), self.layer_names)
+            drifted = dist.drifted_tensors(total[2 * m + c.size :].reshape(c.size, -1), self.layer_names)
             if drifted:
                 self._note_problem(
                     "replica_drift",
