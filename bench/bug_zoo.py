@@ -1,6 +1,6 @@
 """The bug zoo against the auditor at default settings: when does the alarm fire?
 
-    .venv/bin/python bench/bug_zoo.py [--steps 1000] [--seed 0] [--canary dirac] [--canaries auto]
+    .venv/bin/python bench/bug_zoo.py [--steps 1000] [--seed 0] [--canary dirac] [--canaries auto] [--bugs NAME ...]
 """
 
 import argparse
@@ -18,12 +18,14 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--canary", default="dirac", help="canary kind (gradient or input)")
     parser.add_argument("--canaries", default="auto", help="canaries per step (default: the auditor's)")
+    parser.add_argument("--bugs", nargs="+", choices=list(BUGS), default=None,
+                        help="only these bugs, without the correct run (default: the correct run and every bug)")
     args = parser.parse_args()
     args.canaries = args.canaries if args.canaries == "auto" else int(args.canaries)
     warnings.filterwarnings("ignore")
     print("| bug | claimed sigma | first alarm (step) | violating | mu anytime / claimed |")
     print("| --- | --- | --- | --- | --- |")
-    for bug in [None, *BUGS]:
+    for bug in args.bugs or [None, *BUGS]:
         from lightning_dpaudit.bugs import inject_bug
 
         sigma = SIGMA.get(bug, 1.0)

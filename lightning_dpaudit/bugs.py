@@ -194,6 +194,73 @@ _DISTRIBUTED_MIXINS = {
     "skipped-reduction": SkippedReduction,
 }
 
+
+class _Reseeded(_NoiseBug):
+    """Noise from a generator of the bug's own, seeded with ``noise_seed`` and re-seeded when
+    ``_reseed_before(step)`` says so (``step``: noised steps done so far)."""
+
+    def _prepare(self) -> None:
+        self._noise_source = torch.Generator(device=self.params[0].device).manual_seed(int(self.noise_seed))
+        self._noised_steps = 0
+
+    def _reseed_before(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def _noise_generator(self):
+        return self._noise_source
+
+    def pre_step(self, closure=None):
+        if self._noised_steps and self._reseed_before(self._noised_steps):
+            self._noise_source.manual_seed(int(self.noise_seed))
+        noised = super().pre_step(closure)
+        if noised:
+            self._noised_steps += 1
+        return noised
+
+
+class ReseededResume(_Reseeded):
+    """A resume after ``resume_at`` steps re-seeds the noise generator: step resume_at + 1 replays step 1's noise."""
+
+    options = {"resume_at": 300, "noise_seed": 0}
+
+    def _prepare(self) -> None:
+        if int(self.resume_at) < 1:
+            raise ValueError(f"resume_at must be >= 1, got {self.resume_at}")
+        _Reseeded._prepare(self)  # the class is not swapped yet: no super() here
+
+    def _reseed_before(self, step: int) -> bool:
+        return step == int(self.resume_at)
+
+
+class ReseedEachEpoch(_Reseeded):
+    """The noise generator is re-seeded at each epoch start (``epoch_steps``: default from the accountant's sample rate)."""
+
+    options = {"epoch_steps": None, "noise_seed": 0}
+
+    def _prepare(self) -> None:
+        if self.epoch_steps is None:
+            self.epoch_steps = _steps_per_epoch(self)
+        if self.epoch_steps is None or int(self.epoch_steps) < 1:
+            raise ValueError(
+                "reseed-each-epoch needs the steps per epoch: pass epoch_steps=..., or inject it into an optimizer "
+                "returned by make_private, whose accountant hook knows the sample rate"
+            )
+        _Reseeded._prepare(self)
+
+    def _reseed_before(self, step: int) -> bool:
+        return step % int(self.epoch_steps) == 0
+
+
+def _steps_per_epoch(optimizer):
+    """1 / sample rate, read from the accountant hook make_private attaches (it sets the rate to 1 / len(loader))."""
+    hook = getattr(optimizer, "step_hook", None)
+    code = getattr(hook, "__code__", None)
+    if code is None or "sample_rate" not in code.co_freevars:
+        return None
+    rate = hook.__closure__[code.co_freevars.index("sample_rate")].cell_contents
+    return max(1, round(1.0 / rate)) if rate else None
+
+
 _MIXINS = {
     "batch-clipping": BatchClipping,
     "few-seeds": FewSeeds,
@@ -204,6 +271,8 @@ _MIXINS = {
     "reused-noise": ReusedNoise,
     "unnoised-layer": UnnoisedLayer,
     "half-noise-last-layer": HalfNoiseLastLayer,
+    "reseeded-resume": ReseededResume,
+    "reseed-each-epoch": ReseedEachEpoch,
 }
 
 BUGS: Dict[str, str] = {name: m.__doc__.strip().replace("``", "") for name, m in _MIXINS.items()}
@@ -221,7 +290,7 @@ def inject_bug(optimizer: DPOptimizer, name: str, **options) -> DPOptimizer:
     """Turn ``optimizer`` into the buggy variant ``name`` in place and return it.
 
     ``options`` set bug parameters (e.g. ``num_seeds``, ``applied_noise_multiplier``,
-    ``layer_index``); the claimed ``noise_multiplier``/``max_grad_norm`` are left alone.
+    ``layer_index``, ``resume_at``, ``epoch_steps``); the claimed ``noise_multiplier``/``max_grad_norm`` are left alone.
     """
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError(

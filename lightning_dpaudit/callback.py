@@ -41,6 +41,11 @@ class DPAuditCallback(Callback):
     accountant's epsilon (slow with PRV) and the trade-off figure are skipped at a log
     step when they would exceed it, and logged at the next step that fits.
     optimizer / accountant: pass them when the callback cannot find them.
+    checkpoint_noise_generator: save the optimizer's noise generator (the torch.Generator
+    given to make_private as noise_generator) in the callback's checkpoint state and
+    restore it on resume, so that a resumed run does not replay earlier noise. Without
+    such a generator (the noise comes from torch's global generator, or from the OS in
+    secure mode) it warns once and saves nothing (README, "Resuming a DP run").
     auditor_options: passed to PrivacyAuditor (delta, confidence, canary, mode, ...). Input
     canaries go through the LightningModule's forward unless `module=` names another model.
     """
@@ -54,6 +59,7 @@ class DPAuditCallback(Callback):
         optimizer=None,
         report: bool = True,
         logging_budget: float = 0.02,
+        checkpoint_noise_generator: bool = False,
         **auditor_options,
     ):
         if not (callable(alert) or alert in ALERTS):
@@ -68,6 +74,8 @@ class DPAuditCallback(Callback):
         self.accountant = accountant
         self.optimizer = optimizer
         self.report = report
+        self.checkpoint_noise_generator = bool(checkpoint_noise_generator)
+        self._warned_generator = False
         self.auditor_options = auditor_options
         self.auditor: Optional[PrivacyAuditor] = None
         self.history: list = []
@@ -251,9 +259,33 @@ class DPAuditCallback(Callback):
             state["auditor"] = _to_checkpoint(self.auditor.state_dict())
             if self.auditor.accountant is not None:
                 state["accountant_history"] = [list(entry) for entry in self.auditor.accountant.history]
+            if self.checkpoint_noise_generator:
+                generator = self._noise_generator()
+                if generator is not None:
+                    state["noise_generator"] = generator.get_state()
         elif self._pending_state is not None:
             state["auditor"] = self._pending_state.get("auditor")
+            if self._pending_state.get("noise_generator") is not None:
+                state["noise_generator"] = self._pending_state["noise_generator"]
         return state
+
+    def _noise_generator(self) -> Optional[torch.Generator]:
+        """The optimizer's own noise generator when its state can be saved and restored; else None, warned once."""
+        optimizer = self.auditor.optimizer
+        generator = getattr(optimizer, "generator", None)
+        if isinstance(generator, torch.Generator) and not getattr(optimizer, "secure_mode", False):
+            return generator
+        if not self._warned_generator:
+            self._warned_generator = True
+            source = "the operating system (secure mode)" if getattr(optimizer, "secure_mode", False) else (
+                "torch's global generator" if generator is None else f"a {type(generator).__name__}"
+            )
+            rank_zero_warn(
+                f"checkpoint_noise_generator: the optimizer draws its noise from {source}, whose state the callback "
+                "does not save; give make_private a noise_generator=torch.Generator() to have it saved",
+                category=UserWarning,
+            )
+        return None
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._pending_state = dict(state_dict)
@@ -271,6 +303,10 @@ class DPAuditCallback(Callback):
             # Opacus accountants are not part of Lightning checkpoints; without this the
             # resumed run would account only for the steps after the resume.
             accountant.history = [tuple(entry) for entry in state["accountant_history"]]
+        if self.checkpoint_noise_generator and state.get("noise_generator") is not None:
+            generator = self._noise_generator()
+            if generator is not None:
+                generator.set_state(state["noise_generator"])
 
 
 # ---------------------------------------------------------------------- helpers

@@ -7,6 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+# Canary kinds of canaries.KINDS and input_canaries.INPUT_KINDS, named here so that
+# building the parser does not import torch.
+GRADIENT_CANARIES = ("dirac", "constant", "random")
+INPUT_CANARIES = ("mislabeled", "blank", "adversarial", "crafted")
+
 
 def _demo(args) -> int:
     from .bugs import BUGS
@@ -18,13 +23,18 @@ def _demo(args) -> int:
     if args.bug and args.bug not in BUGS:
         print(f"unknown bug {args.bug!r}; `dpaudit demo --list-bugs` lists: {', '.join(BUGS)}", file=sys.stderr)
         return 2
-    from .demo import run_demo
+    from .demo import demo_plan, run_demo
 
+    if not args.no_audit:
+        plan = demo_plan(args.canary, args.steps, args.canaries)
+        source = f" from the {plan['source']}" if plan["source"] else ""
+        print(f"canary {args.canary!r}: {plan['canaries_per_step']} per step{source}, {plan['steps']} steps")
     start = time.perf_counter()
     trainer, callback = run_demo(
         steps=args.steps,
         noise_multiplier=args.noise_multiplier,
         canary=args.canary,
+        canaries_per_step=args.canaries,
         bug=args.bug,
         audit=not args.no_audit,
         out=args.out,
@@ -60,9 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpaudit", description="Audit differentially private training while it runs.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small CNN on the bundled digits with Opacus and audit it")
-    demo.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600, batch 256)")
+    demo.add_argument(
+        "--steps", type=int, default=None,
+        help="optimizer steps at batch 256 (default 600; for input canaries the kind's own, see --canary)",
+    )
     demo.add_argument("--noise-multiplier", type=float, default=3.0, help="Opacus noise multiplier (default 3.0)")
-    demo.add_argument("--canary", default="dirac", choices=["dirac", "constant", "random"])
+    demo.add_argument(
+        "--canary", default="dirac", choices=[*GRADIENT_CANARIES, *INPUT_CANARIES],
+        help="gradient canaries (default dirac) or input canaries made from the digits held out from training; "
+        "each kind has its own count and steps, printed at the start",
+    )
+    demo.add_argument("--canaries", type=int, default=None, help="canaries per step (default: as chosen for the kind)")
     demo.add_argument("--bug", default=None, help="swap in a broken optimizer from the bug zoo (see --list-bugs)")
     demo.add_argument("--list-bugs", action="store_true", help="list the bug zoo and exit")
     demo.add_argument("--no-audit", action="store_true", help="train identically without the audit (baseline)")

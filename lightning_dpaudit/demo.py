@@ -20,6 +20,56 @@ from torch.utils.data import DataLoader, random_split
 
 from .digits import DigitsCNN, digits_dataset
 
+TRAIN = 1500  # of the 1,797 digits; the other 297 validate and supply input canaries
+
+# Input canaries in the demo: (canaries per step, optimizer steps), chosen so that each
+# kind's demo takes about a minute on a 2-core CPU and ends with a positive lower bound
+# (README, "Input canaries in the demo"). Gradient canaries keep the auditor's default
+# count and DEMO_STEPS.
+DEMO_STEPS = 600
+INPUT_DEMO = {
+    "mislabeled": (32, 500),
+    "blank": (16, 450),  # zero inputs: their gradients differ only by the label, so 16 see as much as 32
+    "adversarial": (32, 400),
+    "crafted": (32, 200),
+}
+
+
+def _split(seed: int):
+    full = digits_dataset()
+    return random_split(full, [TRAIN, len(full) - TRAIN], torch.Generator().manual_seed(seed))
+
+
+def held_out_digits(seed: int = 0):
+    """(images, labels) of the digits DigitsDataModule(seed=seed) leaves out of training."""
+    held_out = _split(seed)[1]
+    images, labels = held_out.dataset.tensors
+    index = torch.as_tensor(held_out.indices)
+    return images[index], labels[index]
+
+
+def demo_plan(canary: str, steps: Optional[int] = None, canaries_per_step: Optional[int] = None) -> dict:
+    """What the demo runs for `canary`: steps, canaries per step and, for input canaries, their source.
+
+    steps / canaries_per_step override the defaults (DEMO_STEPS and the auditor's count
+    for gradient canaries, INPUT_DEMO for input canaries).
+    """
+    from .auditor import auto_canaries
+    from .canaries import KINDS
+    from .input_canaries import INPUT_KINDS
+
+    if canary in INPUT_KINDS:
+        default_count, default_steps = INPUT_DEMO[canary]
+        count = int(canaries_per_step or default_count)
+        held_out = len(digits_dataset()) - TRAIN
+        return {"steps": int(steps or default_steps), "canaries_per_step": count, "source": f"{held_out} digits held out from training"}
+    if canary not in KINDS:
+        raise ValueError(f"Unexpected value for `canary`: {canary!r}; valid kinds are {', '.join(KINDS + INPUT_KINDS)}")
+    with torch.device("meta"):  # the shapes only: no memory, no draw from the global generator
+        parameters = sum(p.numel() for p in DigitsCNN().parameters())
+    count = int(canaries_per_step or auto_canaries(canary, parameters, 16))
+    return {"steps": int(steps or DEMO_STEPS), "canaries_per_step": count, "source": None}
+
 
 class DigitsDataModule(pl.LightningDataModule):
     """scikit-learn's 1,797 digits: 1,500 for training, the rest for validation."""
@@ -29,8 +79,7 @@ class DigitsDataModule(pl.LightningDataModule):
         self.batch_size, self.seed = batch_size, seed
 
     def setup(self, stage: Optional[str] = None) -> None:
-        full = digits_dataset()
-        self.train_set, self.val_set = random_split(full, [1500, len(full) - 1500], torch.Generator().manual_seed(self.seed))
+        self.train_set, self.val_set = _split(self.seed)
 
     def train_dataloader(self):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
@@ -85,9 +134,10 @@ class PrivateDigitsModule(pl.LightningModule):
 
 def run_demo(
     *,
-    steps: int = 600,
+    steps: Optional[int] = None,
     noise_multiplier: float = 3.0,
     canary: str = "dirac",
+    canaries_per_step: Optional[int] = None,
     bug: Optional[str] = None,
     audit: bool = True,
     out: str = "dpaudit_runs",
@@ -96,15 +146,27 @@ def run_demo(
     alert="warn",
     log_every_n_steps: int = 20,
 ):
-    """Train the private digits model for `steps` optimizer steps; returns (trainer, callback or None)."""
+    """Train the private digits model and audit it; returns (trainer, callback or None).
+
+    steps and canaries_per_step default to demo_plan(canary); input canaries are the
+    digits held out from training (held_out_digits).
+    """
     from pytorch_lightning.loggers import TensorBoardLogger
 
     from .callback import DPAuditCallback
 
+    plan = demo_plan(canary, steps, canaries_per_step)
+    steps = plan["steps"]
+    options = {"canaries_per_step": plan["canaries_per_step"]}
+    if plan["source"] is not None:
+        options["canary_inputs"], options["canary_labels"] = held_out_digits(seed)
     pl.seed_everything(seed, verbose=False)
     datamodule = DPLightningDataModule(DigitsDataModule(seed=seed), generator=torch.Generator().manual_seed(seed))
     module = PrivateDigitsModule(noise_multiplier=noise_multiplier, bug=bug)
-    callback = DPAuditCallback(alert=alert, canary=canary, seed=seed, log_every_n_steps=log_every_n_steps) if audit else None
+    callback = (
+        DPAuditCallback(alert=alert, canary=canary, seed=seed, log_every_n_steps=log_every_n_steps, **options)
+        if audit else None
+    )
     logger = TensorBoardLogger(str(Path(out)), name="demo")
     trainer = pl.Trainer(
         max_steps=steps,

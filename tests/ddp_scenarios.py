@@ -166,7 +166,7 @@ def bugs(rank, world, options):
     for name in options["names"]:
         module, optimizer, loader, _ = _private(rank, world)
         if name != "correct":
-            inject_bug(optimizer, name)
+            inject_bug(optimizer, name, **options.get("bug_options", {}).get(name, {}))
         auditor = PrivacyAuditor(optimizer, seed=3)
         first = {}
 

@@ -271,3 +271,67 @@ def test_paired_mode_is_quiet_on_correct_opacus_and_catches_a_bug():
     ins, outs = obs["value"][obs["is_in"]], obs["value"][~obs["is_in"]]
     assert abs(outs.mean()) < 0.05 and abs(ins.mean() - 1.0) < 0.05  # 150 x 1,024 each: the sd of a mean is 0.003
     assert train_audited(steps=60, mode="paired", transform=lambda o: _inject(o, "reused-noise")).violation
+
+
+# ------------------------------------------------------------------ layer names without `module`
+
+DIGITS_NAMES = [
+    "features.0.weight", "features.0.bias", "features.2.weight", "features.2.bias",
+    "classifier.1.weight", "classifier.1.bias", "classifier.3.weight", "classifier.3.bias",
+]
+
+
+def _global_pre_hooks():
+    from torch.nn.modules import module
+
+    return len(module._global_forward_pre_hooks)
+
+
+def test_layer_names_without_module_come_from_the_grad_sample_module():
+    hooks = _global_pre_hooks()
+    model, opt, loader, _ = make_private_digits(seed=0)
+    _inject(opt, "unnoised-layer")
+    alerts = []
+    auditor = PrivacyAuditor(opt, seed=0, on_violation=alerts.append)  # no module=
+    assert auditor.layer_names[-1] == "param7(10,)"  # before the model has run
+    stranger = torch.nn.Linear(3, 2)
+    stranger(torch.zeros(1, 3))  # another model's forward pass leaves the names alone
+    assert auditor.layer_names[-1] == "param7(10,)" and _global_pre_hooks() == hooks + 1
+    _train(model, opt, loader, 60)
+    assert auditor.layer_names == DIGITS_NAMES and _global_pre_hooks() == hooks
+    result = auditor.result(accounting=False)
+    assert "classifier.3.bias" in result.violating_layers and [layer.name for layer in result.layers] == DIGITS_NAMES
+    from lightning_dpaudit.results import violation_message
+
+    assert len(alerts) == 1 and "violating: classifier.3.bias" in violation_message(alerts[0])
+
+
+def _optimizer_over(model):
+    return DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                       expected_batch_size=4)
+
+
+def test_layer_names_when_opacus_hooks_the_model_in_place():
+    from opacus import GradSampleModule
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    GradSampleModule(model)  # hooks in place; the wrapper is dropped, as in Opacus's Lightning pattern
+    opt = _optimizer_over(model)
+    auditor = PrivacyAuditor(opt, seed=0)
+    assert auditor.layer_names == ["param0(64, 6)", "param1(64,)", "param2(3, 64)", "param3(3,)"]
+    _train(model, opt, [(torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))], 1)
+    assert auditor.layer_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_layer_names_stay_placeholders_without_opacus_hooks_and_the_watch_ends():
+    hooks = _global_pre_hooks()
+    model = torch.nn.Linear(300, 2)  # no GradSampleModule: nothing names these parameters
+    auditor = PrivacyAuditor(_optimizer_over(model), seed=0)
+    model(torch.zeros(1, 300))
+    assert auditor.layer_names == ["param0(2, 300)", "param1(2,)"] and _global_pre_hooks() == hooks
+    model, opt, loader, _ = make_private_digits(seed=0)
+    detached = PrivacyAuditor(opt, seed=0)
+    detached.detach()
+    model(torch.zeros(1, 1, 8, 8))  # a detached auditor stops watching at the next forward pass
+    assert detached.layer_names[0] == "param0(8, 1, 3, 3)" and _global_pre_hooks() == hooks

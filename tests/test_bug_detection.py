@@ -45,3 +45,13 @@ def test_correct_opacus_raises_no_alarm(seed):
 def test_failure_message_is_readable():
     with pytest.raises(PrivacyAuditFailure, match=r"bug 'no-noise' leaks more than it claims: per-step mu lower bound .* vs claimed 1.000"):
         audit_optimizer(bug="no-noise", steps=200)
+
+
+@pytest.mark.parametrize("bug,first_repeat", [
+    ("reseeded-resume", (301, 1)),  # a resume after 300 steps re-seeds the noise generator
+    ("reseed-each-epoch", (30, 1)),  # digits at batch 64: 29 steps per epoch
+])
+def test_reseeded_noise_is_flagged_at_the_first_replayed_step(bug, first_repeat):
+    result = audit_optimizer(bug=bug, steps=1000, expect_violation=True)
+    assert result.first_noise_repeat == first_repeat and result.first_violation_step == first_repeat[0]
+    assert result.violating_layers == ("noise repeats",)

@@ -18,8 +18,9 @@ from lightning_dpaudit.bugs import BUGS, inject_bug, list_bugs
 
 NAMES = [
     "batch-clipping", "few-seeds", "wrong-noise", "mean-sensitivity", "no-noise",
-    "no-clipping", "reused-noise", "unnoised-layer", "half-noise-last-layer",
+    "no-clipping", "reused-noise", "unnoised-layer", "half-noise-last-layer", "reseeded-resume", "reseed-each-epoch",
 ]
+OPTIONS = {"reseed-each-epoch": {"epoch_steps": 3}}  # make() builds no accountant hook to read the epoch from
 D = 3000  # coordinates per parameter tensor
 
 
@@ -103,7 +104,7 @@ def test_injection_preserves_claims_and_class(name, per_layer):
     hook = lambda o: None  # noqa: E731
     opt.attach_step_hook(hook)
     base, gen, before = type(opt), opt.generator, dict(vars(opt))
-    assert inject_bug(opt, name) is opt
+    assert inject_bug(opt, name, **OPTIONS.get(name, {})) is opt
     assert isinstance(opt, base) and type(opt) is not base
     assert type(opt).__name__.endswith(base.__name__) and opt.injected_bug == name
     step(model, opt, torch.randn(4, D))
@@ -293,3 +294,54 @@ def test_clipping_bugs_refuse_ghost_clipping():
     with pytest.raises(TypeError, match="per-sample gradients"):
         inject_bug(opt, "no-clipping")
     assert isinstance(inject_bug(opt, "no-noise"), DPOptimizerFastGradientClipping)
+
+
+def _noises(model, opt, steps, d=D):
+    return [torch.cat(step(model, opt, zeros(2, d))) for _ in range(steps)]
+
+
+def test_reseeded_resume_replays_the_first_steps_after_the_resume():
+    model, opt = make(nm=1.0, c=1.0)
+    inject_bug(opt, "reseeded-resume", resume_at=3)
+    noise = _noises(model, opt, 6)
+    assert [torch.equal(noise[i], noise[i + 3]) for i in range(3)] == [True, True, True]
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[1], noise[2])
+    assert_std(torch.cat(noise[:3]), 1.0)  # each step's noise alone looks right
+    model, opt = make(nm=1.0, c=1.0, d=4)
+    inject_bug(opt, "reseeded-resume")  # default: a resume after 300 steps
+    noise = _noises(model, opt, 302, d=4)
+    assert torch.equal(noise[300], noise[0]) and torch.equal(noise[301], noise[1])
+    assert len({tuple(n.tolist()) for n in noise[:300]}) == 300
+    with pytest.raises(ValueError, match="resume_at must be >= 1"):
+        inject_bug(make()[1], "reseeded-resume", resume_at=0)
+
+
+def test_reseed_each_epoch_replays_the_first_epoch():
+    model, opt = make(nm=1.0, c=1.0)
+    inject_bug(opt, "reseed-each-epoch", epoch_steps=2)
+    noise = _noises(model, opt, 6)
+    assert all(torch.equal(noise[i], noise[i % 2]) for i in range(6)) and not torch.equal(noise[0], noise[1])
+    assert_std(torch.cat(noise[:2]), 1.0)
+
+
+def test_reseed_each_epoch_reads_the_epoch_from_make_private():
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(40, 6), torch.randint(0, 2, (40,)))
+    net = nn.Linear(6, 2)
+    model, opt, loader = PrivacyEngine().make_private(
+        module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0), data_loader=DataLoader(data, batch_size=10),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
+    )
+    inject_bug(opt, "reseed-each-epoch")
+    assert opt.epoch_steps == 4 == len(loader)
+    noise = []
+    for _ in range(2):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            noise.append(torch.cat([(p.grad * 10 - p.summed_grad).flatten() for p in opt.params]))
+    assert all(torch.allclose(noise[i], noise[i + 4], atol=1e-6) for i in range(4))
+    assert not torch.allclose(noise[0], noise[1])
+    with pytest.raises(ValueError, match="needs the steps per epoch"):
+        inject_bug(make()[1], "reseed-each-epoch")

@@ -1,12 +1,18 @@
 """The `dpaudit` command and the examples, run briefly as a user would."""
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from lightning_dpaudit.cli import main
+from lightning_dpaudit.canaries import KINDS
+from lightning_dpaudit.cli import GRADIENT_CANARIES, INPUT_CANARIES, main
+from lightning_dpaudit.demo import INPUT_DEMO, DigitsDataModule, demo_plan, held_out_digits
+from lightning_dpaudit.input_canaries import INPUT_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +37,45 @@ def test_demo_writes_logs_and_report_and_report_command_reads_it(tmp_path, capsy
     assert (run_dir / "audit_report.json").exists() and list(run_dir.glob("events.out.tfevents.*"))
     assert main(["report", str(tmp_path)]) == 0
     assert "epsilon (delta=1e-05)" in capsys.readouterr().out
+
+
+@pytest.fixture
+def one_thread():
+    # Two intra-op threads on two cores that other processes share spin and wait: one
+    # thread keeps these short demos fast on a loaded machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("canary", [*GRADIENT_CANARIES, *INPUT_CANARIES])
+def test_every_demo_canary_ends_with_a_positive_bound(canary, tmp_path, capsys, one_thread):
+    # Few steps for speed; sigma 1 (per-step mu 1) makes the few observations enough for a positive bound.
+    args = ["demo", "--canary", canary, "--steps", "40", "--noise-multiplier", "1", "--out", str(tmp_path), "--no-progress-bar"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    if canary in INPUT_CANARIES:
+        assert f"canary {canary!r}: {INPUT_DEMO[canary][0]} per step from the 297 digits held out from training, 40 steps" in out
+    else:
+        assert f"canary {canary!r}: " in out and "per step, 40 steps" in out
+    assert "OK: no leak beyond the claim detected" in out
+    result = json.loads((tmp_path / "demo" / "version_0" / "audit_report.json").read_text())["result"]
+    assert result["canary"] == canary and result["steps"] == 40
+    assert math.isfinite(result["epsilon_lower_bound"]) and result["epsilon_lower_bound"] > 0
+
+
+def test_demo_plan_defaults_and_held_out_canaries():
+    assert (GRADIENT_CANARIES, INPUT_CANARIES) == (KINDS, INPUT_KINDS)
+    assert demo_plan("dirac") == {"steps": 600, "canaries_per_step": 1024, "source": None}
+    for kind, (count, steps) in INPUT_DEMO.items():
+        assert demo_plan(kind)["steps"] == steps and demo_plan(kind)["canaries_per_step"] == count
+    assert demo_plan("crafted", steps=7, canaries_per_step=4)["steps"] == 7
+    images, labels = held_out_digits(0)
+    train = DigitsDataModule(seed=0)
+    train.setup()
+    seen = {tuple(x.flatten().tolist()) for x, _ in train.train_set}
+    assert len(images) == len(labels) == 297 and not any(tuple(x.flatten().tolist()) in seen for x in images)
 
 
 def test_demo_with_a_bug_shows_the_alert(tmp_path, capsys):

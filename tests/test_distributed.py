@@ -42,7 +42,8 @@ def test_per_layer_clipping_under_ddp_is_audited(tmp_path):
 
 def test_ddp_bug_zoo_is_flagged_and_a_correct_run_is_not(tmp_path):
     names = ["correct", *DISTRIBUTED_BUGS, *BUGS]
-    found = launch("bugs", tmp_path, names=names, steps=150, timeout=420)
+    found = launch("bugs", tmp_path, names=names, steps=150, timeout=420,
+                   bug_options={"reseeded-resume": {"resume_at": 60}})  # a resume inside this short run
     first, second = found
     for name in names:  # identical audits, except where the bug is that the ranks release different gradients
         assert (first[name] == second[name]) == (name != "skipped-reduction"), name

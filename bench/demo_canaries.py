@@ -1,0 +1,53 @@
+"""Wall time and bound of `dpaudit demo --canary KIND` at each kind's defaults.
+
+Each kind runs in a fresh process (whole command: start-up, training, logging, report);
+the table gives the steps and canaries the demo chose, the seconds, the epsilon lower
+bound of audit_report.json and the 1-minute load average before and after the run
+(the machine's other work shows there).
+
+    .venv/bin/python bench/demo_canaries.py [--kinds crafted blank ...] [--threads N]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KINDS = ["dirac", "constant", "random", "mislabeled", "blank", "adversarial", "crafted"]
+
+
+def run(kind, out, threads):
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    command = [sys.executable, "-m", "lightning_dpaudit.cli", "demo", "--canary", kind, "--no-progress-bar", "--out", out]
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    done = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    chosen = next(line for line in done.stdout.splitlines() if line.startswith("canary "))
+    result = json.loads(next(Path(out).rglob("audit_report.json")).read_text())["result"]
+    return chosen, seconds, result, load_before, os.getloadavg()[0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the demo (default: torch's own)")
+    args = parser.parse_args()
+    print("| canary | chosen | seconds | eps lower bound | eps accountant | n in / out | load before / after |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for kind in args.kinds:
+        with tempfile.TemporaryDirectory() as out:
+            chosen, seconds, r, before, after = run(kind, out, args.threads)
+        chosen = chosen.split(": ", 1)[1]
+        print(f"| {kind} | {chosen} | {seconds:.1f} | {r['epsilon_lower_bound']:.3f} | {r['epsilon_accountant']:.3f} | "
+              f"{r['n_in']} / {r['n_out']} | {before:.1f} / {after:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Resuming a DP run under Lightning: the noise generator has to come back with the checkpoint.
+
+Opacus draws each step's noise from the optimizer's generator: torch's global generator
+unless make_private gets a noise_generator. Lightning checkpoints hold neither. A run
+resumed the usual way (pl.seed_everything(0), the same set-up, trainer.fit(...,
+ckpt_path=...)) re-seeds the generator, so after the resume it replays, step for step,
+the noise of the first run's first steps, 320 steps back here. The audit's noise
+fingerprints travel in the callback's checkpoint state and catch the replay at the first
+resumed step. A small linear model keeps the 320 steps fast; every run is seeded.
+"""
+
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from opacus import PrivacyEngine
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, Subset
+
+from lightning_dpaudit import DPAuditCallback
+from lightning_dpaudit.digits import digits_dataset
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+TRAIN, BATCH = 512, 64  # 8 steps per epoch
+FIRST_EPOCHS, RESUMED_EPOCHS = 40, 2  # 320 steps, then the resume trains 16 more
+STEPS_BEFORE = FIRST_EPOCHS * TRAIN // BATCH
+STEPS_AFTER = RESUMED_EPOCHS * TRAIN // BATCH
+
+
+class Digits(pl.LightningDataModule):
+    def train_dataloader(self):  # shuffled by torch's global generator, as by default
+        return DataLoader(Subset(digits_dataset(), range(TRAIN)), batch_size=BATCH, shuffle=True)
+
+
+class GlobalNoise(pl.LightningModule):
+    """Opacus's Lightning pattern as usually written: make_private without a noise_generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+        self.privacy_engine = PrivacyEngine()
+
+    def noise_generator(self):
+        return None  # Opacus then draws the noise from torch's global generator
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        return torch.nn.functional.cross_entropy(self.model(images), labels)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        _, optimizer, _ = self.privacy_engine.make_private(
+            module=self, optimizer=optimizer, data_loader=self.trainer.datamodule.train_dataloader(),
+            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, noise_generator=self.noise_generator(),
+        )
+        return optimizer
+
+
+class SeededNoise(GlobalNoise):
+    """The noise from a generator of the module's own, seeded when the module is built."""
+
+    def __init__(self):
+        super().__init__()
+        self.noise = torch.Generator().manual_seed(7)
+
+    def noise_generator(self):
+        return self.noise
+
+
+class CheckpointedNoise(SeededNoise):
+    """The working pattern: the generator's state is saved in and restored from the checkpoint."""
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["noise_generator"] = self.noise.get_state()
+
+    def on_load_checkpoint(self, checkpoint):
+        self.noise.set_state(checkpoint["noise_generator"])
+
+
+class GeneratorAtStart(Callback):
+    """The state of the optimizer's noise generator when training starts and ends."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = trainer.optimizers[0].generator.get_state()
+
+    def on_train_end(self, trainer, pl_module):
+        self.end = trainer.optimizers[0].generator.get_state()
+
+
+def _trainer(max_epochs, callbacks):
+    return pl.Trainer(
+        max_epochs=max_epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu",
+    )
+
+
+def _first_and_resumed(tmp_path, module_class, **callback_options):
+    """(first run's audit, resumed run's audit, first run's generator probe, resumed run's generator probe)."""
+    probes = [GeneratorAtStart(), GeneratorAtStart()] if module_class is not GlobalNoise else [Callback(), Callback()]
+    alerts = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.seed_everything(0, verbose=False)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path)  # saves at each epoch end, keeps the latest
+        first = DPAuditCallback(seed=0, alert=alerts.append, report=False, **callback_options)
+        _trainer(FIRST_EPOCHS, [first, checkpoints, probes[0]]).fit(module_class(), datamodule=Digits())
+        assert checkpoints.best_model_path.endswith(f"step={STEPS_BEFORE}.ckpt")
+
+        pl.seed_everything(0, verbose=False)  # the resumed run is set up exactly as the first was
+        resumed = DPAuditCallback(seed=0, alert=alerts.append, report=False, **callback_options)
+        _trainer(FIRST_EPOCHS + RESUMED_EPOCHS, [resumed, ModelCheckpoint(dirpath=tmp_path), probes[1]]).fit(
+            module_class(), datamodule=Digits(), ckpt_path=checkpoints.best_model_path,
+        )
+    return first.auditor.result(), resumed.auditor.result(), probes, alerts
+
+
+def _finding_codes(result):
+    return [f["code"] if isinstance(f, dict) else f.code for f in result.findings]
+
+
+def test_a_resumed_run_that_replays_the_noise_of_its_first_steps_is_flagged(tmp_path):
+    first, resumed, _, alerts = _first_and_resumed(tmp_path, GlobalNoise)
+    assert first.steps == STEPS_BEFORE and first.noise_repeats == 0 and not first.violation
+    assert resumed.steps == STEPS_BEFORE + STEPS_AFTER
+    assert resumed.noise_repeats == STEPS_AFTER  # every resumed step replays one of the first run
+    assert resumed.first_noise_repeat == (STEPS_BEFORE + 1, 1)
+    assert resumed.violation and "noise repeats" in resumed.violating_layers
+    assert resumed.first_violation_step == STEPS_BEFORE + 1 and len(alerts) == 1
+    if hasattr(resumed, "findings"):
+        assert "noise_repeats" in _finding_codes(resumed)
+
+
+def test_a_noise_generator_saved_and_restored_by_the_module_is_not_flagged(tmp_path):
+    first, resumed, probes, alerts = _first_and_resumed(tmp_path, CheckpointedNoise)
+    assert torch.equal(probes[1].start, probes[0].end)  # the resumed run continues the noise stream
+    assert resumed.steps == STEPS_BEFORE + STEPS_AFTER and resumed.noise_repeats == 0
+    assert not resumed.violation and resumed.first_noise_repeat is None and not alerts
+
+
+def test_the_callback_checkpoints_the_noise_generator_when_asked(tmp_path):
+    # SeededNoise re-seeds its generator on resume: the replay happens unless the callback restores it
+    first, resumed, probes, alerts = _first_and_resumed(tmp_path / "off", SeededNoise)
+    assert resumed.first_noise_repeat == (STEPS_BEFORE + 1, 1) and resumed.violation
+    first, resumed, probes, alerts = _first_and_resumed(tmp_path / "on", SeededNoise, checkpoint_noise_generator=True)
+    assert torch.equal(probes[1].start, probes[0].end)
+    assert resumed.noise_repeats == 0 and not resumed.violation and not alerts
+
+
+def test_checkpoint_noise_generator_warns_when_the_noise_comes_from_the_global_generator(tmp_path):
+    callback = DPAuditCallback(seed=0, report=False, checkpoint_noise_generator=True)
+    pl.seed_everything(0, verbose=False)
+    with pytest.warns(UserWarning, match="torch's global generator, whose state the callback does not save"):
+        _trainer(1, [callback, ModelCheckpoint(dirpath=tmp_path)]).fit(GlobalNoise(), datamodule=Digits())
+    assert "noise_generator" not in callback.state_dict()
