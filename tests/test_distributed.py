@@ -70,7 +70,7 @@ def test_replicas_that_drift_apart_are_flagged_at_the_next_checksum(setups):
         drift = rank["drift"]
         assert drift["violation"] and drift["first_violation_step"] == 21
         code, message, step = drift["problems"][0]
-        assert code == "replica_drift" and step == 21 and "param0" in message
+        assert code == "replica_drift" and step == 21 and "(module.0.weight)" in message
 
 
 def test_ranks_that_disagree_about_the_audit_refuse_it_at_attach(setups):
