@@ -15,6 +15,7 @@ _LAZY = {
     "PrivacyViolationWarning": "auditor",
     "AuditResult": "results",
     "LayerAudit": "results",
+    "Finding": "results",
     "audit_optimizer": "testing",
     "PrivacyAuditFailure": "testing",
     "DPAuditCallback": "callback",

@@ -25,16 +25,18 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from . import distributed as dist
 from . import estimators as est
 from .estimators.live_epsilon import LiveEpsilon
 from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
+from .findings import Evidence, diagnose
 from .input_canaries import INPUT_KINDS, InputCanaries
 from .input_probe import InputProbe, check_input_model
-from .monitor import POOLED, REPEATS, AnytimeMonitor
+from .monitor import POOLED, REPEATS, SETUP, AnytimeMonitor
 from .noise_fingerprints import NoiseFingerprints
 from .observations import ObservationLog
 from .probe import GradientProbe
-from .results import AuditResult, LayerAudit, violation_message
+from .results import AuditResult, Finding, LayerAudit, violation_message
 
 MODES = ("one-run", "paired")
 DEFAULT_GRADIENT_CANARIES = 1024
@@ -66,6 +68,7 @@ def _check_optimizer(optimizer):
             "returned by `PrivacyEngine.make_private(...)`"
         )
     name = type(optimizer).__name__
+    dist.check_supported(optimizer)
     if any("FastGradientClipping" in c.__name__ for c in type(optimizer).__mro__):
         raise TypeError(
             f"{name} uses fast (ghost) gradient clipping: per-sample gradients never exist, so gradient canaries "
@@ -103,6 +106,8 @@ class PrivacyAuditor:
     (the counts, bounds and histograms cover every observation).
     on_violation: called once with the AuditResult when the alarm first fires (default:
     one PrivacyViolationWarning).
+    checksum_every: under a DistributedDPOptimizer, the steps between checks that every
+    replica holds the same parameters (see distributed.py; 0 turns them off).
     """
 
     def __init__(
@@ -129,8 +134,13 @@ class PrivacyAuditor:
         recraft_every="auto",
         observe_steps: Optional[int] = None,
         observation_window: int = 65_536,
+        checksum_every: int = 100,
     ):
         _check_optimizer(optimizer)
+        self.collectives = dist.Collectives() if dist.is_reducing(optimizer) and dist.world_size() > 1 else None
+        if self.collectives is not None:
+            _check_distributed_options(canary, mode)
+            seed = self.collectives.agree_on_seed(seed)
         if estimator == "katz":
             raise ValueError(
                 "estimator 'katz' bounds pure epsilon-DP, which no Gaussian mechanism has; use gdp-cp, gdp-bayes, "
@@ -205,7 +215,17 @@ class PrivacyAuditor:
         self.steps = 0
         self._live_epsilon = None
         self._alerted = False
+        self.extra_findings: list = []  # Finding records of other checks; they lead result().findings
+        self.checksum_every = int(checksum_every)
+        self._pending = None
+        if self.collectives is not None:
+            self.collectives.verify_same(
+                np.concatenate([[self.per_step, float(optimizer.noise_multiplier), float(optimizer.max_grad_norm), seed],
+                                self.probe.pool.cpu().numpy(), dist.parameter_checksums(params)]),
+                "the audit's settings, its seed or the model's parameters at the start",
+            )
         self._attach()
+        self._note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer))
 
     # ------------------------------------------------------------------ wiring
 
@@ -215,6 +235,9 @@ class PrivacyAuditor:
         self._previous_add_noise = vars(opt).get("add_noise")
         self._release = opt.add_noise
         opt.add_noise = self._audited_add_noise
+        if self.collectives is not None:
+            self._reduce = opt.reduce_gradients
+            opt.reduce_gradients = self._audited_reduce
         opt._dpaudit_auditor = self
 
     def detach(self) -> None:
@@ -226,6 +249,8 @@ class PrivacyAuditor:
             opt.add_noise = self._previous_add_noise
         else:
             del opt.add_noise
+        if self.collectives is not None:
+            del opt.reduce_gradients
         del opt._dpaudit_auditor
 
     # ------------------------------------------------------------------ one noised step
@@ -234,6 +259,9 @@ class PrivacyAuditor:
         if self.observe_steps is not None and self.steps >= self.observe_steps:
             self._release()  # past the observation window: the plain step
             self.steps += 1
+            return
+        if self.collectives is not None:
+            self._pending = self._local_release()  # observed once the ranks' gradients are reduced
             return
         if self.input is not None:
             self._input_step()
@@ -299,8 +327,130 @@ class PrivacyAuditor:
         added = self.probe.clip(self.optimizer, *rows_and_columns)
         added.enter(params)
         self._release()
+        for p in params:  # a release that is a view of summed_grad (a rank without noise) keeps its canaries
+            if p.grad.data_ptr() == p.summed_grad.data_ptr():
+                p.grad = p.grad.clone()
         added.leave(params)
         return added
+
+    # ------------------------------------------------------------------ one noised step, data-parallel
+
+    def _local_release(self):
+        """This rank's part of a distributed step: plant its share of the in-canaries, release locally.
+
+        In-canary j enters on rank j mod W (counting in-canaries only), so each enters the
+        reduced sum once and every rank's clipping is exercised. Returns what the
+        observation after the reduction needs: the canaries, this rank's data sum and
+        canary sum at the pool, the noise this rank added (RMS on the sentinels, in units
+        of sigma*C) and the factor f the optimizer applies before and in the reduction.
+        """
+        probe, opt, c = self.probe, self.optimizer, self.collectives
+        params = probe.params
+        canaries = self.sampler.next_step()
+        mine = np.zeros(len(canaries.is_in), dtype=bool)
+        mine[np.flatnonzero(canaries.is_in)[c.rank :: c.size]] = True
+        data_sum = [p.summed_grad for p in params]
+        data_at_pool = probe.at_pool(data_sum)
+        if mine.any():
+            canaries_at_pool = probe.sum_at_pool(self._release_with(probe.canary_rows(canaries, mine)))
+        else:
+            self._release()
+            canaries_at_pool = np.zeros(len(probe.pool))
+        own_noise = (probe.at_pool([p.grad for p in params]) - data_at_pool - canaries_at_pool)[self._noise_coords()]
+        for p, s in zip(params, data_sum):
+            p.summed_grad = s
+            s._processed = True
+        factor = 1.0
+        if opt.loss_reduction == "mean":
+            factor = 1.0 / (float(opt.expected_batch_size) * opt.accumulated_iterations * c.size)
+        return canaries, data_at_pool, canaries_at_pool, float(np.sqrt(np.mean(own_noise**2))) / self.noise_std, factor
+
+    def _audited_reduce(self) -> None:
+        self._reduce()
+        pending, self._pending = self._pending, None
+        if pending is None:  # a step past observe_steps
+            return
+        self._observe_reduced(*pending)
+        self.steps += 1
+        if self.steps % self.check_every == 0:
+            self._check()
+
+    def _observe_reduced(self, canaries, data_at_pool, canaries_at_pool, own_noise, factor) -> None:
+        """Observe the reduced release G after one all-reduce of S and K (at the canaries' and
+        sentinels' coordinates), each rank's own noise and, when due, the replicas' checksums.
+
+        observation = <w, G / f - S> / C_l, identical on every rank; then G -= f * K.
+        """
+        probe, c = self.probe, self.collectives
+        params = probe.params
+        n = len(probe.pool)
+        read = np.unique(np.concatenate([canaries.pool_index.ravel(), np.arange(n)[self._noise_coords()]]))
+        m = len(read)  # only the canaries' and the sentinels' pool positions are summed
+        checksums = self.checksum_every > 0 and self.steps % self.checksum_every == 0
+        parts = [data_at_pool[read], canaries_at_pool[read], c.own_slot([own_noise])]
+        if checksums:
+            parts.append(c.own_slot(dist.parameter_checksums(params)))
+        total = c.sum(np.concatenate(parts))
+        data, added = np.zeros(n), np.zeros(n)
+        data[read], added[read] = total[:m], total[m : 2 * m]
+        noise_by_rank = total[2 * m : 2 * m + c.size]
+        released = probe.at_pool([p.grad for p in params]) / factor - data
+        self._check_noise(released - added)
+        values = probe.project(released, canaries)
+        self.log.append(step=self.steps, layer=canaries.tensor, kind=self.canary, is_in=canaries.is_in, value=values)
+        self.monitor.update(canaries.tensor, canaries.is_in, values)
+        probe.subtract_at_pool([p.grad for p in params], added * factor)
+        step = self.steps + 1
+        noisy = [r for r in range(1, c.size) if noise_by_rank[r] > 1e-3]
+        if noisy:
+            self._note_problem(
+                "noise_placement",
+                f"noise entered on rank(s) {', '.join(map(str, noisy))} (RMS "
+                f"{', '.join(f'{noise_by_rank[r]:.3g}' for r in noisy)} x sigma*C; rank 0: {noise_by_rank[0]:.3g}): "
+                f"{type(self.optimizer).__name__} adds the noise on rank 0 only, so this code's noise depends on the "
+                "ranks' layout (on one process it would add none, or the total is not the accountant's)",
+                step,
+            )
+        if checksums:
+            drifted = dist.drifted_tensors(total[2 * m + c.size :].reshape(c.size, -1), self.layer_names)
+            if drifted:
+                self._note_problem(
+                    "replica_drift",
+                    f"the replicas' parameters differ at step {step} ({', '.join(drifted[:4])}"
+                    f"{', ...' if len(drifted) > 4 else ''}): the ranks train different models, so the released model "
+                    "is not the one the noise protects. Every rank must apply the same reduced gradient: use the "
+                    "DistributedDPOptimizer's own step and do not change gradients or parameters on one rank only.",
+                    step,
+                )
+
+    # ------------------------------------------------------------------ set-up problems
+
+    def _note_problem(self, code: str, message: Optional[str], step: int = 0) -> None:
+        """Record a set-up problem found outside the canaries (a certainty, not a statistical test).
+
+        Alarms at once on one process; a distributed step alarms at its own check, which
+        every rank reaches together.
+        """
+        if self._record_problem(code, message, step) and self.collectives is None:
+            self._check()
+
+    def _record_problem(self, code: str, message: Optional[str], step: int) -> bool:
+        if not message or any(code == known.code for known in self.extra_findings):
+            return False
+        self.extra_findings.append(Finding(code, message, first_step=int(step)))
+        self.monitor.flag(SETUP, int(step))
+        return True
+
+    @property
+    def problems(self) -> list:
+        """(code, message, step) of the set-up problems found so far."""
+        return [(f.code, f.message, f.first_step) for f in self.extra_findings]
+
+    def check_sample_rate(self, batches_per_epoch: int) -> None:
+        """Flag an accountant whose sample rate ignores the world size (distributed.sample_rate_problem)."""
+        rate = dist.sample_rate_of(self.optimizer)
+        self._record_problem("sample_rate", dist.sample_rate_problem(rate, batches_per_epoch, dist.world_size()), self.steps)
+        self._check()  # every rank calls this method, so every rank reaches the check
 
     def _observe_input(self, data_sum, added, is_in) -> None:
         probe = self.input_probe
@@ -338,8 +488,27 @@ class PrivacyAuditor:
         if self.fingerprints.check(noise, self.steps + 1) is not None:
             self.monitor.flag(REPEATS, self.steps + 1)
 
+    def _noise_coords(self):
+        return self.sentinels if self.sentinels is not None else slice(None)
+
     def _check(self) -> None:
+        """Alert once when a test fired; under DDP every rank alerts at the same check.
+
+        The ranks' observations are identical unless the reduction is broken, so one small
+        all-reduce per check tells each rank whether any rank fired; a rank that did not
+        records why (its release differs from another rank's) and alerts with it.
+        """
         fired = self.monitor.check(self.steps)
+        if self.collectives is not None and not self._alerted:
+            if self.collectives.any(bool(fired)) and not fired:
+                self._record_problem(
+                    "rank_disagreement",
+                    "another rank's audit fired while this rank's did not: the ranks released different "
+                    "gradients (the all-reduce after the noise is missing or altered), so the replicas do not "
+                    "apply one noised update",
+                    self.steps,
+                )
+                fired = self.monitor.check(self.steps)
         if fired and not self._alerted:
             self._alerted = True
             result = self.result()
@@ -384,6 +553,9 @@ class PrivacyAuditor:
         violating = tuple(_group_name(g, self.layer_names) for g in sorted(self.monitor.first_violation))
         first = min(self.monitor.first_violation.values()) if self.monitor.first_violation else None
         eps_accountant, eps_lower = self._end_to_end(mu_step) if accounting else (math.nan, math.nan)
+        findings = diagnose(
+            self._evidence(anytime), violation=bool(violating), first_violation_step=first, extra=self.extra_findings
+        )
         return AuditResult(
             epsilon_lower_bound=eps_lower,
             epsilon_accountant=eps_accountant,
@@ -406,6 +578,29 @@ class PrivacyAuditor:
             mode=self.mode,
             canary=self.canary,
             layers=tuple(layers),
+            findings=findings,
+        )
+
+    def _evidence(self, anytime: dict) -> Evidence:
+        """The numpy state findings.diagnose reads: moments per tensor, claims, alarms, noise repeats."""
+        tensors = len(self.layer_names)
+        moments = np.zeros((tensors, 2, 3))
+        logged = self.log.moments()[:tensors]
+        moments[: len(logged)] = logged
+        return Evidence(
+            moments=moments,
+            claims=np.array([self.monitor.claims[i] for i in range(tensors)], dtype=float),
+            names=tuple(self.layer_names),
+            confidence=self.confidence,
+            noise_multiplier=float(self.optimizer.noise_multiplier),
+            mu_claimed=self.mu_claimed,
+            gradient=self.input is None,
+            alarms=dict(self.monitor.first_violation),
+            mu_anytime=dict(anytime),
+            first_repeat=self.fingerprints.first_repeat,
+            repeats=self.fingerprints.matches,
+            batch_size=getattr(self.optimizer, "expected_batch_size", None),
+            canary_scale=self.probe.scale,
         )
 
     def _mu_lower(self, counts: np.ndarray) -> np.ndarray:
@@ -442,6 +637,7 @@ class PrivacyAuditor:
             "fingerprints": self.fingerprints.state_dict(),
             "log": self.log.state_dict(),
             "monitor": self.monitor.state_dict(),
+            "problems": [list(p) for p in self.problems],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -461,6 +657,7 @@ class PrivacyAuditor:
             self.fingerprints.load_state_dict(state["fingerprints"])
         self.log.load_state_dict(state["log"])
         self.monitor.load_state_dict(state["monitor"])
+        self.extra_findings = [Finding(str(c), str(m), first_step=int(s)) for c, m, s in state.get("problems", [])]
 
 
 def auto_canaries(canary, parameters: int, support: int) -> int:
@@ -489,7 +686,19 @@ def _group_name(group: int, layer_names) -> str:
         return "pooled"
     if group == REPEATS:
         return "noise repeats"
+    if group == SETUP:
+        return "distributed set-up"
     return layer_names[group]
+
+
+def _check_distributed_options(canary, mode) -> None:
+    if mode != "one-run":
+        raise ValueError("a distributed audit runs in mode='one-run' (a second privatization would need a second reduction)")
+    if isinstance(canary, InputCanaries) or canary in INPUT_KINDS:
+        raise ValueError(
+            f"input canaries ({getattr(canary, 'kind', canary)!r}) are not supported under a DistributedDPOptimizer; "
+            "use gradient canaries ('dirac', 'constant' or 'random')"
+        )
 
 
 def _layer_names(params, module, optimizer=None) -> list:

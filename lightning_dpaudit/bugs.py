@@ -4,7 +4,9 @@
 ``PrivacyEngine.make_private`` for a subclass whose mixin overrides one template
 step (``clip_and_accumulate`` or ``add_noise``). The claimed ``noise_multiplier``
 and ``max_grad_norm`` (used by the accountant), ``step_hook`` and all other
-attributes are kept. Noise bugs replace subclasses' own ``add_noise`` (DDP, AdaClip).
+attributes are kept. Noise bugs replace subclasses' own ``add_noise`` (AdaClip); on a
+DistributedDPOptimizer they keep its layout (noise on rank 0 only). ``DISTRIBUTED_BUGS``
+break that layout itself and need a DistributedDPOptimizer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
-__all__ = ["BUGS", "inject_bug", "list_bugs"]
+__all__ = ["BUGS", "DISTRIBUTED_BUGS", "inject_bug", "list_bugs"]
 
 
 class _Bug:
@@ -48,7 +50,15 @@ class _NoiseBug(_Bug):
     def _noise(self, index: int, reference: torch.Tensor, std: float, generator) -> torch.Tensor:
         return _generate_noise(std, reference, generator, self.secure_mode)
 
+    def _noises_here(self) -> bool:
+        """A DistributedDPOptimizer adds noise on rank 0 only; other ranks pass their sum on."""
+        return getattr(self, "rank", 0) == 0
+
     def add_noise(self):
+        if not self._noises_here():
+            for p in self.params:
+                p.grad = p.summed_grad.view_as(p)
+            return
         generator = self._noise_generator()
         for i, (p, std) in enumerate(zip(self.params, self._stds())):
             _check_processed_flag(p.summed_grad)
@@ -155,6 +165,36 @@ class HalfNoiseLastLayer(_NoiseBug):
         return stds
 
 
+class NoiseOnOtherRank(_NoiseBug):
+    """Distributed: the noise is added on the last rank instead of rank 0 (none on a single process)."""
+
+    def _noises_here(self) -> bool:
+        return self.rank == self.world_size - 1 and self.world_size > 1
+
+
+class NoiseOverWorldSize(_NoiseBug):
+    """Distributed: rank 0's noise std divided by the world size, as if each rank added its share."""
+
+    def _stds(self):
+        return [std / self.world_size for std in super()._stds()]
+
+
+class SkippedReduction(_Bug):
+    """Distributed: reduce_gradients skips the all-reduce; each replica applies its own shard's gradient."""
+
+    def reduce_gradients(self):
+        if self.loss_reduction == "mean":
+            for p in self.params:
+                p.grad /= self.world_size
+
+
+_DISTRIBUTED_MIXINS = {
+    "noise-on-other-rank": NoiseOnOtherRank,
+    "noise-over-world-size": NoiseOverWorldSize,
+    "skipped-reduction": SkippedReduction,
+}
+
+
 class _Reseeded(_NoiseBug):
     """Noise from a generator of the bug's own, seeded with ``noise_seed`` and re-seeded when
     ``_reseed_before(step)`` says so (``step``: noised steps done so far)."""
@@ -236,6 +276,7 @@ _MIXINS = {
 }
 
 BUGS: Dict[str, str] = {name: m.__doc__.strip().replace("``", "") for name, m in _MIXINS.items()}
+DISTRIBUTED_BUGS: Dict[str, str] = {name: m.__doc__.strip() for name, m in _DISTRIBUTED_MIXINS.items()}
 
 _CLASS_CACHE: Dict[tuple, type] = {}
 
@@ -256,9 +297,12 @@ def inject_bug(optimizer: DPOptimizer, name: str, **options) -> DPOptimizer:
             f"inject_bug needs an Opacus DPOptimizer, got {type(optimizer).__name__}; "
             "pass the optimizer returned by PrivacyEngine.make_private"
         )
-    if name not in _MIXINS:
-        raise ValueError(f"unknown bug {name!r}; valid names: {', '.join(BUGS)}")
-    mixin, base = _MIXINS[name], type(optimizer)
+    if name in _DISTRIBUTED_MIXINS and not hasattr(optimizer, "world_size"):
+        raise TypeError(f"{name!r} breaks a DistributedDPOptimizer's noise layout; got {type(optimizer).__name__}")
+    mixins = {**_MIXINS, **_DISTRIBUTED_MIXINS}
+    if name not in mixins:
+        raise ValueError(f"unknown bug {name!r}; valid names: {', '.join([*BUGS, *DISTRIBUTED_BUGS])}")
+    mixin, base = mixins[name], type(optimizer)
     if "clip_and_accumulate" in vars(mixin) and isinstance(optimizer, DPOptimizerFastGradientClipping):
         raise TypeError(f"{name!r} needs per-sample gradients; ghost clipping optimizers have none")
     unknown = sorted(set(options) - set(mixin.options))

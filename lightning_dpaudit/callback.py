@@ -106,6 +106,10 @@ class DPAuditCallback(Callback):
             self._pending_state = None
         self._add_chart_layout(trainer)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.auditor is not None and trainer.world_size > 1:
+            self.auditor.check_sample_rate(_batches_per_epoch(trainer))
+
     @rank_zero_only
     def _add_chart_layout(self, trainer) -> None:
         """TensorBoard's Custom Scalars tab: both epsilons on one chart, both mus on another."""
@@ -340,6 +344,14 @@ def _check_accountant(accountant, optimizer) -> None:
             f"the accountant's history ends with noise multiplier {last_sigma}, but the optimizer uses "
             f"{optimizer.noise_multiplier}: pass the accountant of this optimizer's PrivacyEngine"
         )
+
+
+def _batches_per_epoch(trainer) -> int:
+    """Steps in one epoch of this rank's training data loader (0 when it has no length)."""
+    try:
+        return len(trainer.train_dataloader)
+    except TypeError:
+        return 0
 
 
 def _log_dir(trainer) -> str:

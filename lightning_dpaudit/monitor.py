@@ -25,6 +25,7 @@ from .estimators.sequential import anytime_mu_lower
 
 POOLED = -1
 REPEATS = -2  # the noise-repeat test (NoiseFingerprints), flagged by the auditor
+SETUP = -3  # set-up problems found with certainty outside the canaries (distributed.py), flagged by the auditor
 
 
 class AnytimeMonitor:

@@ -31,9 +31,15 @@ need, in two bounded parts:
   the oldest are dropped from it (they stay in the histograms); `total` counts all
   of them.
 
-`state_dict()` holds the bins, the counts and the window's rows: its size is set by the
-number of layers and the window, never by the number of steps. A state in the earlier
-format (every row: step, layer, kind, is_in, value, kinds) still loads.
+* **Running moments**, per layer and in/out: the count, sum and sum of squares of the
+  finite observations (`moments()`), from which the findings take exact means and
+  variances. 48 bytes per layer and side.
+
+`state_dict()` holds the bins, the counts, the moments and the window's rows: its size
+is set by the number of layers and the window, never by the number of steps. A state in
+the earlier format (every row: step, layer, kind, is_in, value, kinds) still loads, its
+moments computed from the rows; a state of this format saved without moments gets them
+from the histograms (see `_moments_from_histogram`).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class ObservationLog:
         self.total = 0
         self._set_bins(round(LOW * BINS_PER_UNIT), round((HIGH - LOW) * BINS_PER_UNIT), BINS_PER_UNIT)
         self._counts = np.zeros((self._bins + 2, 0, 2), dtype=np.int64)  # (bin, layer, is_in)
+        self._moments = np.zeros((0, 2, 3), dtype=np.float64)  # (layer, is_in, (count, sum, sum of squares))
         self._ring = {c: np.zeros(self.window, dtype=_DTYPES[c]) for c in COLUMNS}
         self._next = 0  # ring position of the next row
         self._filled = 0  # rows in the ring; they start at 0 until it is full
@@ -121,6 +128,7 @@ class ObservationLog:
         if top >= self._counts.shape[1]:
             self._grow(top + 1)
         self._count(self._bin_index(value), layer, is_in)
+        self._accumulate(layer, is_in, value)
         self._remember(step, layer, code, is_in, value)
         self.total += n
 
@@ -128,6 +136,22 @@ class ObservationLog:
         grown = np.zeros((self._bins + 2, layers, 2), dtype=np.int64)
         grown[:, : self._counts.shape[1]] = self._counts
         self._counts = grown
+        moments = np.zeros((layers, 2, 3), dtype=np.float64)
+        moments[: len(self._moments)] = self._moments
+        self._moments = moments
+
+    def _accumulate(self, layer: np.ndarray, is_in: np.ndarray, value: np.ndarray) -> None:
+        """Add the finite values to the running count, sum and sum of squares of their (layer, is_in).
+
+        A square beyond the float range makes that sum of squares inf: a variance beyond measure.
+        """
+        finite = np.isfinite(value)
+        group = (2 * layer + is_in)[finite]
+        v = value[finite]
+        size = 2 * self._moments.shape[0]
+        with np.errstate(over="ignore"):
+            for column, weights in ((0, None), (1, v), (2, v * v)):
+                self._moments[:, :, column] += np.bincount(group, weights=weights, minlength=size).reshape(-1, 2)
 
     def _count(self, bins: np.ndarray, layer: np.ndarray, is_in: np.ndarray) -> None:
         index = bins * (2 * self._counts.shape[1])  # (bin, layer, is_in) in C order
@@ -209,6 +233,10 @@ class ObservationLog:
             both = np.zeros((self._bins + 2, 2), dtype=np.int64)
         return self.edges.copy(), both[:, 1].copy(), both[:, 0].copy()
 
+    def moments(self) -> np.ndarray:
+        """(layers, 2, 3) copy: [layer, is_in] -> (count, sum, sum of squares) of its finite observations."""
+        return self._moments.copy()
+
     @property
     def layers(self) -> int:
         """Number of layer indices the histograms hold (1 + the largest seen)."""
@@ -224,6 +252,7 @@ class ObservationLog:
             "kinds": list(self.kinds),
             "bins": {"first": self._first, "count": self._bins, "per_unit": self._per_unit},
             "counts": self._counts.copy(),
+            "moments": self._moments.copy(),
             "total": int(self.total),
             **rows,
         }
@@ -244,8 +273,13 @@ class ObservationLog:
                 raise ValueError(f"observation counts of shape {counts.shape} do not match {self._bins} bins")
             self._counts = counts.copy()
             self.total = int(state["total"])
+            if "moments" in state:
+                self._moments = np.asarray(state["moments"], dtype=np.float64).reshape(-1, 2, 3).copy()
+            else:
+                self._moments = _moments_from_histogram(self._counts, self.edges)
         else:  # the earlier format: every observation as a row
             self._counts = np.zeros((self._bins + 2, 0, 2), dtype=np.int64)
+            self._moments = np.zeros((0, 2, 3), dtype=np.float64)
             value = columns["value"]
             if value.size:
                 layer = columns["layer"].astype(np.intp)
@@ -253,6 +287,7 @@ class ObservationLog:
                     raise ValueError(f"layer indices must be >= 0; got {int(layer.min())}")
                 self._grow(int(layer.max()) + 1)
                 self._count(self._bin_index(value), layer, columns["is_in"])
+                self._accumulate(layer, columns["is_in"], value)
             self.total = int(value.size)
         kept = min(columns["value"].size, self.window)
         if self.total < kept:
@@ -262,3 +297,23 @@ class ObservationLog:
             self._ring[c][:kept] = columns[c][columns[c].size - kept :]
         self._filled = kept
         self._next = kept % self.window
+
+
+
+def _moments_from_histogram(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """(layers, 2, 3) count, sum and sum of squares estimated from the binned counts.
+
+    A value is taken at its bin's midpoint, the underflow and overflow at the outermost
+    finite edges. Rounding to the midpoint adds about width^2 / 12 to each square for a
+    density smooth on the bin's scale (Sheppard's correction), which is subtracted. With
+    width 1/64 the mean is off by at most 1/128 and the variance by far less for values
+    within the range.
+    """
+    finite = edges[1:-1]
+    width = float(finite[1] - finite[0])
+    centers = np.concatenate([[finite[0]], (finite[:-1] + finite[1:]) / 2, [finite[-1]]])
+    c = counts.astype(np.float64)  # (bin, layer, is_in)
+    n = c.sum(axis=0)
+    total = np.einsum("b,bli->li", centers, c)
+    squares = np.einsum("b,bli->li", centers**2, c) - n * width**2 / 12
+    return np.stack([n, total, squares], axis=-1)

@@ -192,6 +192,17 @@ class GradientProbe:
         out[added.pool_positions] = torch.cat(added.values).double().cpu().numpy()
         return out
 
+    def subtract_at_pool(self, tensors: Sequence[torch.Tensor], values: np.ndarray) -> None:
+        """tensor -= values at the pool coordinates, in place (values: one per pool position)."""
+        start = 0
+        for t, idx in zip(tensors, self.pool_local):
+            part = values[start : start + len(idx)]
+            start += len(idx)
+            nonzero = np.flatnonzero(part)
+            if nonzero.size:
+                where = idx[torch.as_tensor(nonzero, device=idx.device)]
+                t.view(-1).index_add_(0, where, torch.as_tensor(-part[nonzero], dtype=t.dtype, device=t.device))
+
     def project(self, pool_values: np.ndarray, canaries: StepCanaries) -> np.ndarray:
         """Normalized observation of each canary: <w, values on its support> / C_l."""
         on_support = pool_values[canaries.pool_index]

@@ -274,7 +274,7 @@ def summary_table(report: dict) -> str:
     ]
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for _, b, _ in rows)
-    lines = [verdict, ""]
+    lines = [verdict, *_finding_lines(r), ""]
     lines += [f"  {a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
     facts = [
         ("observations", f"in {r.get('n_in')} / out {r.get('n_out')}"),
@@ -295,6 +295,11 @@ def summary_table(report: dict) -> str:
                 f"{_f(layer.get('mu_claimed')):>10}  {n:>13}  {flag}".rstrip()
             )
     return "\n".join(lines)
+
+
+def _finding_lines(r: dict) -> list:
+    """One line per finding (a report written before findings existed has none)."""
+    return [f"  - {f.get('code')}: {f.get('message')}" for f in r.get("findings") or []]
 
 
 def _first_repeat(r: dict) -> str:

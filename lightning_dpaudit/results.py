@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional, Tuple
 
@@ -25,6 +26,30 @@ class LayerAudit:
 
 
 @dataclass(frozen=True)
+class Finding:
+    """One named cause of a violation, with the number that shows it.
+
+    code      noise_scale, clipping, noise_repeats, layer, general (see findings.py),
+              or the code of another check that found a set-up problem
+    message   one readable sentence: what was measured, its interval, the likely cause
+    first_step the step the evidence first showed (the first alarm of the groups
+              concerned, or the first repeating step), None when unknown
+    layers    the parameter tensors concerned; empty when it concerns the whole model
+    measured  the measured quantity the message names (for noise_scale the noise std
+              in units of the claimed sigma * C, for clipping the in-canaries' shift in
+              units of C, for noise_repeats the repeating steps, ...)
+    claimed   what a correct implementation gives for `measured`
+    """
+
+    code: str
+    message: str
+    first_step: Optional[int] = None
+    layers: Tuple[str, ...] = ()
+    measured: float = math.nan
+    claimed: float = math.nan
+
+
+@dataclass(frozen=True)
 class AuditResult:
     """What the canaries show about the privacy of the audited steps.
 
@@ -45,6 +70,8 @@ class AuditResult:
     noise_repeats         steps whose noise repeated an earlier step's (should be 0);
                           first_noise_repeat = (step, the earlier step it repeats) of the first
                           (steps counted from 1), None when there was none
+    findings              Finding records naming the cause of a violation (findings.py);
+                          empty without a violation, except findings of other checks
     """
 
     epsilon_lower_bound: float
@@ -68,17 +95,39 @@ class AuditResult:
     canary: str
     layers: Tuple[LayerAudit, ...]
     first_noise_repeat: Optional[Tuple[int, int]] = None
+    findings: Tuple[Finding, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def violation_message(r: AuditResult) -> str:
-    """One line for an alert: the numbers that show the leak and where it is."""
+    """One line for an alert (the numbers that show the leak and where it is), then one line per finding."""
+    return _violation_line(r) + "".join(f"\n  - {f.code}: {f.message}" for f in r.findings)
+
+
+def _violation_line(r: AuditResult) -> str:
+    """The alarm's own numbers: the bound that crossed its claim (the pool's, else the first tensor's), or the repeat."""
+    tensor = next((layer for layer in r.layers if layer.violation), None)
+    repeat = r.first_noise_repeat
+    if "pooled" not in r.violating_layers and tensor is None and not repeat and r.findings:
+        crossed = "a set-up problem found outside the canaries"
+    elif "pooled" in r.violating_layers or (tensor is None and not repeat):
+        crossed = f"per-step mu lower bound {r.mu_lower_bound_anytime:.3f} (anytime, {r.confidence:.0%}) exceeds the claimed {r.mu_claimed:.3f}"
+    elif tensor is not None:
+        crossed = (
+            f"per-step mu lower bound {tensor.mu_lower_bound_anytime:.3f} in {tensor.name} (anytime, {r.confidence:.0%}) "
+            f"exceeds the claimed {tensor.mu_claimed:.3f}"
+        )
+    else:
+        crossed = f"the noise of step {repeat[0]} repeats step {repeat[1]}'s"
+        repeat = None  # said already
+    epsilons = (
+        f"; empirical epsilon >= {r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} (delta={r.delta:g})"
+        if math.isfinite(r.epsilon_accountant) else ""
+    )
     return (
-        f"DP audit violation at step {r.first_violation_step}: per-step mu lower bound {r.mu_lower_bound_anytime:.3f} "
-        f"(anytime, {r.confidence:.0%}) exceeds the claimed {r.mu_claimed:.3f}; empirical epsilon >= "
-        f"{r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} (delta={r.delta:g}); "
+        f"DP audit violation at step {r.first_violation_step}: {crossed}{epsilons}; "
         f"violating: {', '.join(r.violating_layers)}"
-        + (f"; the noise of step {r.first_noise_repeat[0]} repeats step {r.first_noise_repeat[1]}'s" if r.first_noise_repeat else "")
+        + (f"; the noise of step {repeat[0]} repeats step {repeat[1]}'s" if repeat else "")
     )

@@ -145,4 +145,5 @@ def _failure_message(label: str, r: AuditResult, expected: bool) -> str:
         f"{r.confidence:.0%}) vs claimed {r.mu_claimed:.3f}; end-to-end epsilon >= {r.epsilon_lower_bound:.3g} "
         f"vs accountant {r.epsilon_accountant:.3g}; violating: {layers}; steps {r.steps}; "
         f"first alarm at step {r.first_violation_step}"
+        + "".join(f"\n  - {f.code}: {f.message}" for f in r.findings)
     )

@@ -90,6 +90,32 @@ def test_demo_without_audit(tmp_path, capsys):
     assert not list(tmp_path.rglob("audit_report.json"))
 
 
+def test_report_command_prints_findings_and_reads_older_reports(tmp_path, capsys):
+    import json
+
+    from lightning_dpaudit.report import write_report
+    from lightning_dpaudit.results import AuditResult, Finding
+
+    result = AuditResult(
+        epsilon_lower_bound=30.0, epsilon_accountant=1.4, mu_lower_bound=4.9, mu_lower_bound_anytime=1.5, mu_claimed=1.0,
+        violation=True, violating_layers=("pooled",), n_in=512, n_out=512, steps=1, estimator="gdp-cp",
+        confidence=0.95, delta=1e-5, epsilon_step_lower_bound=32.0, epsilon_step_claimed=4.38, first_violation_step=1,
+        noise_repeats=0, mode="one-run", canary="dirac", layers=(),
+        findings=(Finding(code="noise_scale", message="noise std 0.0165 x claimed", first_step=1, measured=0.0165, claimed=1.0),),
+    )
+    new, old = tmp_path / "new", tmp_path / "old"
+    for directory in (new, old):
+        write_report(directory, result, settings={}, versions={}, history=[], in_values=[1.0, 0.9], out_values=[0.0, 0.1])
+    report = json.loads((old / "audit_report.json").read_text())
+    del report["result"]["findings"]  # as written before findings existed
+    (old / "audit_report.json").write_text(json.dumps(report))
+    assert main(["report", str(new)]) == 0
+    assert "  - noise_scale: noise std 0.0165 x claimed" in capsys.readouterr().out
+    assert main(["report", str(old)]) == 0
+    out = capsys.readouterr().out
+    assert "VIOLATION" in out and "noise_scale" not in out
+
+
 def test_report_on_an_empty_directory(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 1
     assert "no audit_report.json" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from lightning_dpaudit.report import (
     tradeoff_figure,
     write_report,
 )
-from lightning_dpaudit.results import AuditResult, LayerAudit
+from lightning_dpaudit.results import AuditResult, Finding, LayerAudit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAYER_NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
@@ -265,6 +265,42 @@ def test_summary_table_ok_from_result_dict():
     text = summary_table({"result": ok.to_dict()})
     assert text.splitlines()[0] == "OK: no leak beyond the claim detected"
     assert "VIOLATION" not in text and "8.00" in text
+
+
+LEAK = Finding(
+    code="layer",
+    message="noise std below the claim in 1 of 4 tensors: fc2.weight 0.5 x claimed (95% CI 0.4-0.6)",
+    first_step=37,
+    layers=("fc2.weight",),
+    measured=0.5,
+    claimed=1.0,
+)
+
+
+def test_findings_in_the_json_and_the_summary(tmp_path):
+    import dataclasses
+
+    result = dataclasses.replace(fake_result(), findings=(LEAK, Finding(code="general", message="unexplained")))
+    write_report(tmp_path, result, settings={}, versions={}, history=history(), **observed(*observations(1.0, 500), "raw"))
+    report = strict_loads((tmp_path / "audit_report.json").read_text())
+    assert report["result"]["findings"] == [
+        {"code": "layer", "message": LEAK.message, "first_step": 37, "layers": ["fc2.weight"], "measured": 0.5, "claimed": 1.0},
+        {"code": "general", "message": "unexplained", "first_step": None, "layers": [], "measured": None, "claimed": None},
+    ]
+    lines = summary_table(load_report(tmp_path)).splitlines()
+    assert lines[0].startswith("VIOLATION:")
+    assert lines[1:3] == [f"  - layer: {LEAK.message}", "  - general: unexplained"] and lines[3] == ""
+
+
+def test_summary_of_a_report_written_before_findings(tmp_path):
+    write_report(tmp_path, fake_result(), settings={}, versions={}, history=history(), **observed(*observations(1.0, 500), "raw"))
+    path = tmp_path / "audit_report.json"
+    report = json.loads(path.read_text())
+    del report["result"]["findings"]
+    path.write_text(json.dumps(report))
+    lines = summary_table(load_report(tmp_path)).splitlines()
+    assert lines[0].startswith("VIOLATION:") and lines[1] == ""
+    assert not any(line.startswith("  - ") for line in lines)
 
 
 def test_load_report_missing(tmp_path):
