@@ -23,6 +23,15 @@ from lightning_dpaudit.digits import digits_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two intra-op threads on two cores that other work shares wait for each other; one is faster.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 TRAIN, BATCH = 512, 64  # 8 steps per epoch
 FIRST_EPOCHS, RESUMED_EPOCHS = 40, 2  # 320 steps, then the resume trains 16 more
 STEPS_BEFORE = FIRST_EPOCHS * TRAIN // BATCH
