@@ -69,5 +69,4 @@ def test_reseeded_noise_is_flagged_at_the_first_replayed_step(bug, options, firs
     result = train_audited(steps=1000, transform=lambda opt: inject_bug(opt, bug, **options), stop_on_violation=True)
     assert result.first_noise_repeat == first_repeat and result.first_violation_step == first_repeat[0]
     assert result.violating_layers == ("noise repeats",) and result.steps == first_repeat[0]
-    if hasattr(result, "findings"):
-        assert "noise_repeats" in [f.code for f in result.findings]
+    assert "noise_repeats" in [finding.code for finding in result.findings]
