@@ -317,9 +317,7 @@ class PrivacyAuditor:
             observe(data_sum, added, np.ones(len(is_in), bool))
             for p, r in zip(params, released):
                 p.grad = r
-        for p, s in zip(params, data_sum):  # summed_grad as the un-audited step leaves it
-            p.summed_grad = s
-            s._processed = True
+        _restore_data_sum(params, data_sum)
 
     def _release_with(self, rows_and_columns):
         """Release data + canaries through the optimizer's own clipping and noise; summed_grad is the data's again after."""
@@ -357,9 +355,7 @@ class PrivacyAuditor:
             self._release()
             canaries_at_pool = np.zeros(len(probe.pool))
         own_noise = (probe.at_pool([p.grad for p in params]) - data_at_pool - canaries_at_pool)[self._noise_coords()]
-        for p, s in zip(params, data_sum):
-            p.summed_grad = s
-            s._processed = True
+        _restore_data_sum(params, data_sum)
         factor = 1.0
         if opt.loss_reduction == "mean":
             factor = 1.0 / (float(opt.expected_batch_size) * opt.accumulated_iterations * c.size)
@@ -689,6 +685,13 @@ def _group_name(group: int, layer_names) -> str:
     if group == SETUP:
         return "distributed set-up"
     return layer_names[group]
+
+
+def _restore_data_sum(params, data_sum) -> None:
+    """summed_grad as the un-audited step leaves it: the data's own clipped sum, marked as noised."""
+    for p, s in zip(params, data_sum):
+        p.summed_grad = s
+        s._processed = True
 
 
 def _check_distributed_options(canary, mode) -> None:

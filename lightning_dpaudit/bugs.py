@@ -18,6 +18,8 @@ import torch
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
+from .distributed import sample_rate_of
+
 __all__ = ["BUGS", "DISTRIBUTED_BUGS", "inject_bug", "list_bugs"]
 
 
@@ -253,11 +255,7 @@ class ReseedEachEpoch(_Reseeded):
 
 def _steps_per_epoch(optimizer):
     """1 / sample rate, read from the accountant hook make_private attaches (it sets the rate to 1 / len(loader))."""
-    hook = getattr(optimizer, "step_hook", None)
-    code = getattr(hook, "__code__", None)
-    if code is None or "sample_rate" not in code.co_freevars:
-        return None
-    rate = hook.__closure__[code.co_freevars.index("sample_rate")].cell_contents
+    rate = sample_rate_of(optimizer)
     return max(1, round(1.0 / rate)) if rate else None
 
 

@@ -103,11 +103,13 @@ def sample_rate_problem(sample_rate: float, batches_per_epoch: int, size: int) -
 
 
 def sample_rate_of(optimizer) -> Optional[float]:
-    """The sample rate make_private handed the accountant's step hook, if it can be read."""
-    for cell in getattr(optimizer.step_hook, "__closure__", None) or ():
-        if isinstance(cell.cell_contents, float):
-            return float(cell.cell_contents)
-    return None
+    """The sample rate make_private handed the accountant's step hook (its `sample_rate` cell), if it can be read."""
+    hook = getattr(optimizer, "step_hook", None)
+    code = getattr(hook, "__code__", None)
+    if code is None or "sample_rate" not in code.co_freevars:
+        return None
+    rate = hook.__closure__[code.co_freevars.index("sample_rate")].cell_contents
+    return float(rate) if rate else None
 
 
 class Collectives:
