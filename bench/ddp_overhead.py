@@ -28,7 +28,7 @@ def _replica(batch_size, audited):
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_dpaudit import PrivacyAuditor
-    from lightning_dpaudit.digits import DigitsCNN, digits_dataset
+    from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
     torch.manual_seed(0)
     data = digits_dataset()

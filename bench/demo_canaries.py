@@ -21,7 +21,7 @@ KINDS = ["dirac", "constant", "random", "mislabeled", "blank", "adversarial", "c
 
 
 def run(kind, out, threads):
-    command = [sys.executable, "-m", "lightning_dpaudit.cli", "demo", "--canary", kind, "--no-progress-bar", "--out", out]
+    command = [sys.executable, "-m", "lightning_dpaudit.app.cli", "demo", "--canary", kind, "--no-progress-bar", "--out", out]
     if threads:
         command += ["--threads", str(threads)]
     load_before = os.getloadavg()[0]

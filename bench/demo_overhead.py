@@ -18,7 +18,7 @@ import numpy as np
 
 
 def timed(args, out):
-    command = [sys.executable, "-m", "lightning_dpaudit.cli", "demo", "--no-progress-bar", "--out", out, *args]
+    command = [sys.executable, "-m", "lightning_dpaudit.app.cli", "demo", "--no-progress-bar", "--out", out, *args]
     start = time.perf_counter()
     subprocess.run(command, check=True, capture_output=True)
     return time.perf_counter() - start

@@ -18,9 +18,9 @@ import warnings
 import numpy as np
 import torch
 
-from lightning_dpaudit.auditor import PrivacyAuditor
-from lightning_dpaudit.digits import digits_holdout, make_private_digits, train_steps
-from lightning_dpaudit.input_canaries import INPUT_KINDS
+from lightning_dpaudit.engine.auditor import PrivacyAuditor
+from lightning_dpaudit.integrations.digits import digits_holdout, make_private_digits, train_steps
+from lightning_dpaudit.engine.input_canaries import INPUT_KINDS
 from lightning_dpaudit.testing import HOLDOUT
 
 

@@ -34,7 +34,7 @@ from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dpaudit.auditor import PrivacyAuditor
+from lightning_dpaudit.engine.auditor import PrivacyAuditor
 
 SIZES = {"0.1M": (100_000, 64), "1M": (1_000_000, 64), "10M": (10_000_000, 64), "40M": (40_000_000, 16)}
 CONFIGS = ("plain", "dirac", "mislabeled")

@@ -12,9 +12,9 @@ import warnings
 
 import torch
 
-from lightning_dpaudit.auditor import PrivacyAuditor
-from lightning_dpaudit.callback import _to_checkpoint
-from lightning_dpaudit.digits import make_private_digits, train_steps
+from lightning_dpaudit.engine.auditor import PrivacyAuditor
+from lightning_dpaudit.integrations.callback import _to_checkpoint
+from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
 
 
 def saved_bytes(auditor) -> int:

@@ -13,8 +13,8 @@ import warnings
 
 import torch
 
-from lightning_dpaudit.auditor import PrivacyAuditor
-from lightning_dpaudit.digits import make_private_digits, train_steps
+from lightning_dpaudit.engine.auditor import PrivacyAuditor
+from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
 
 
 def timed(times, obj, name, label):

@@ -9,8 +9,8 @@ from opacus import PrivacyEngine
 from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.auditor import DEFAULT_GRADIENT_CANARIES as K
-from lightning_dpaudit.digits import DigitsCNN, digits_dataset, make_private_digits
+from lightning_dpaudit.engine.auditor import DEFAULT_GRADIENT_CANARIES as K
+from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset, make_private_digits
 from lightning_dpaudit.testing import train_audited
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
@@ -301,7 +301,7 @@ def test_layer_names_without_module_come_from_the_grad_sample_module():
     assert auditor.layer_names == DIGITS_NAMES and _global_pre_hooks() == hooks
     result = auditor.result(accounting=False)
     assert "classifier.3.bias" in result.violating_layers and [layer.name for layer in result.layers] == DIGITS_NAMES
-    from lightning_dpaudit.results import violation_message
+    from lightning_dpaudit.analysis.results import violation_message
 
     assert len(alerts) == 1 and "violating: classifier.3.bias" in violation_message(alerts[0])
 

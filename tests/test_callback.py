@@ -14,8 +14,8 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dpaudit import DPAuditCallback, PrivacyViolationError
-from lightning_dpaudit.auditor import DEFAULT_GRADIENT_CANARIES
-from lightning_dpaudit.digits import DigitsCNN, digits_dataset
+from lightning_dpaudit.engine.auditor import DEFAULT_GRADIENT_CANARIES
+from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
 TRAIN = 512  # examples; batch 64 -> 8 steps per epoch
 
@@ -277,7 +277,7 @@ class PrivateWithForward(Private):
 
 
 def test_input_canaries_under_the_trainer(tmp_path):
-    from lightning_dpaudit.digits import digits_holdout
+    from lightning_dpaudit.integrations.digits import digits_holdout
 
     inputs, labels = digits_holdout(64)
     callback = DPAuditCallback(

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dpaudit.canaries import KINDS
-from lightning_dpaudit.cli import GRADIENT_CANARIES, INPUT_CANARIES, main
-from lightning_dpaudit.demo import INPUT_DEMO, DigitsDataModule, demo_plan, held_out_digits
-from lightning_dpaudit.input_canaries import INPUT_KINDS
+from lightning_dpaudit.engine.canaries import KINDS
+from lightning_dpaudit.app.cli import GRADIENT_CANARIES, INPUT_CANARIES, main
+from lightning_dpaudit.app.demo import INPUT_DEMO, DigitsDataModule, demo_plan, held_out_digits
+from lightning_dpaudit.engine.input_canaries import INPUT_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,8 +93,8 @@ def test_demo_without_audit(tmp_path, capsys):
 def test_report_command_prints_findings_and_reads_older_reports(tmp_path, capsys):
     import json
 
-    from lightning_dpaudit.report import write_report
-    from lightning_dpaudit.results import AuditResult, Finding
+    from lightning_dpaudit.analysis.report import write_report
+    from lightning_dpaudit.analysis.results import AuditResult, Finding
 
     result = AuditResult(
         epsilon_lower_bound=30.0, epsilon_accountant=1.4, mu_lower_bound=4.9, mu_lower_bound_anytime=1.5, mu_claimed=1.0,

@@ -5,7 +5,7 @@ import torch
 from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
 from torch import nn
 
-from lightning_dpaudit.digits import DigitsCNN, digits_dataset, make_private_digits
+from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset, make_private_digits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import lightning_dpaudit
-from lightning_dpaudit.auditor import PrivacyAuditor, PrivacyViolationWarning
+from lightning_dpaudit.engine.auditor import PrivacyAuditor, PrivacyViolationWarning
 from lightning_dpaudit.bugs import inject_bug
-from lightning_dpaudit.digits import make_private_digits, train_steps
-from lightning_dpaudit.findings import Evidence, diagnose, noise_interval, shift_interval
-from lightning_dpaudit.monitor import POOLED
-from lightning_dpaudit.results import Finding, violation_message
+from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
+from lightning_dpaudit.analysis.findings import Evidence, diagnose, noise_interval, shift_interval
+from lightning_dpaudit.analysis.monitor import POOLED
+from lightning_dpaudit.analysis.results import Finding, violation_message
 from lightning_dpaudit.testing import PrivacyAuditFailure, audit_optimizer
 
 NAMES = tuple(f"t{i}" for i in range(8))

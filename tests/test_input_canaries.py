@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dpaudit import PrivacyAuditor, input_probe
+from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit.engine import input_probe
 from lightning_dpaudit.bugs import inject_bug
-from lightning_dpaudit.digits import DigitsCNN, digits_holdout, make_private_digits, train_steps
-from lightning_dpaudit.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
-from lightning_dpaudit.input_probe import InputProbe, pivoted_cholesky, symmetric_decorrelation
+from lightning_dpaudit.integrations.digits import DigitsCNN, digits_holdout, make_private_digits, train_steps
+from lightning_dpaudit.engine.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
+from lightning_dpaudit.engine.input_probe import InputProbe, pivoted_cholesky, symmetric_decorrelation
 from lightning_dpaudit.testing import train_audited
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")

@@ -9,7 +9,7 @@ import numpy as np
 
 from lightning_dpaudit.estimators import clopper_pearson_upper
 from lightning_dpaudit.estimators.sequential import anytime_mu_lower, upper_confidence_sequence
-from lightning_dpaudit.monitor import AnytimeMonitor
+from lightning_dpaudit.analysis.monitor import AnytimeMonitor
 from scipy.stats import norm
 
 SIGMA, STEPS, PER_SIDE, LAYERS = 1.0, 400, 64, 8

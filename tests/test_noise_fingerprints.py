@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_dpaudit import noise_fingerprints
-from lightning_dpaudit.noise_fingerprints import NoiseFingerprints
+from lightning_dpaudit.analysis import noise_fingerprints
+from lightning_dpaudit.analysis.noise_fingerprints import NoiseFingerprints
 
 BITS = 128
 

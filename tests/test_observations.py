@@ -1,4 +1,4 @@
-"""Tests for lightning_dpaudit.observations: bounded histograms, the recent window, state."""
+"""Tests for lightning_dpaudit.analysis.observations: bounded histograms, the recent window, state."""
 
 import io
 import pickle
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dpaudit.monitor import POOLED, AnytimeMonitor
-from lightning_dpaudit.observations import COLUMNS, ObservationLog
-from lightning_dpaudit.report import empirical_tradeoff, tradeoff_from_histograms
+from lightning_dpaudit.analysis.monitor import POOLED, AnytimeMonitor
+from lightning_dpaudit.analysis.observations import COLUMNS, ObservationLog
+from lightning_dpaudit.analysis.report import empirical_tradeoff, tradeoff_from_histograms
 
 KINDS = ["dirac", "constant"]
 
@@ -176,7 +176,7 @@ def test_append_refuses_bad_rows():
 
 def _sizes(state):
     """Bytes of the state pickled, and saved with torch.save as a Lightning checkpoint holds it."""
-    from lightning_dpaudit.callback import _to_checkpoint
+    from lightning_dpaudit.integrations.callback import _to_checkpoint
 
     buffer = io.BytesIO()
     torch.save(_to_checkpoint(state), buffer)
@@ -300,7 +300,7 @@ def test_state_without_moments_gets_them_from_the_histograms():
 
 
 def test_tensorboard_histogram_is_the_logs_bins():
-    from lightning_dpaudit.callback import _add_histogram
+    from lightning_dpaudit.integrations.callback import _add_histogram
 
     class Writer:
         def add_histogram_raw(self, tag, **fields):

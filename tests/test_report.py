@@ -1,4 +1,4 @@
-"""Tests for lightning_dpaudit.report: figures, JSON/PNG record, terminal summary."""
+"""Tests for lightning_dpaudit.analysis.report: figures, JSON/PNG record, terminal summary."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from lightning_dpaudit.report import (
+from lightning_dpaudit.analysis.report import (
     curves_figure,
     empirical_tradeoff,
     load_report,
@@ -17,7 +17,7 @@ from lightning_dpaudit.report import (
     tradeoff_figure,
     write_report,
 )
-from lightning_dpaudit.results import AuditResult, Finding, LayerAudit
+from lightning_dpaudit.analysis.results import AuditResult, Finding, LayerAudit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAYER_NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
@@ -312,7 +312,7 @@ def test_report_module_avoids_torch_and_pyplot():
     import subprocess
 
     code = (
-        "import sys, lightning_dpaudit.report as r; "
+        "import sys, lightning_dpaudit.analysis.report as r; "
         "import numpy as np; r.tradeoff_figure(np.ones(3), np.zeros(3), mu_claimed=1.0); "
         "r.tradeoff_figure(histogram=([-np.inf, 0.5, np.inf], [0, 3], [3, 0]), mu_claimed=1.0); "
         "assert 'torch' not in sys.modules and 'matplotlib.pyplot' not in sys.modules, sorted(sys.modules)"

@@ -19,7 +19,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dpaudit import DPAuditCallback
-from lightning_dpaudit.digits import digits_dataset
+from lightning_dpaudit.integrations.digits import digits_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

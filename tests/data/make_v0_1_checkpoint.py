@@ -17,7 +17,7 @@ from opacus import PrivacyEngine
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dpaudit import DPAuditCallback
-from lightning_dpaudit.digits import digits_dataset
+from lightning_dpaudit.integrations.digits import digits_dataset
 
 HERE = Path(__file__).parent
 

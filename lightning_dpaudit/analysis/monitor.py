@@ -20,8 +20,8 @@ from typing import Dict, List, Sequence
 import numpy as np
 from scipy.special import ndtri
 
-from .estimators.bounds import DEFAULT_THRESHOLD as THRESHOLD  # the estimators' fixed threshold
-from .estimators.sequential import anytime_mu_lower
+from ..estimators.bounds import DEFAULT_THRESHOLD as THRESHOLD  # the estimators' fixed threshold
+from ..estimators.sequential import anytime_mu_lower
 
 POOLED = -1
 REPEATS = -2  # the noise-repeat test (NoiseFingerprints), flagged by the auditor

@@ -17,13 +17,13 @@ from typing import Callable, Optional, Type
 
 import torch
 
-from .auditor import PrivacyAuditor
+from ..engine.auditor import PrivacyAuditor
 from .bugs import BUGS, inject_bug, list_bugs
 from .digits import digits_holdout, make_private_digits, train_steps
-from .input_canaries import INPUT_KINDS, InputCanaries
+from ..engine.input_canaries import INPUT_KINDS, InputCanaries
 
 HOLDOUT = 256  # digits left out of training for input canaries
-from .results import AuditResult
+from ..analysis.results import AuditResult
 
 __all__ = ["BUGS", "PrivacyAuditFailure", "audit_optimizer", "inject_bug", "list_bugs", "train_audited"]
 

@@ -18,7 +18,7 @@ from opacus.data_loader import DPDataLoader
 from opacus.lightning import DPLightningDataModule
 from torch.utils.data import DataLoader, random_split
 
-from .digits import DigitsCNN, digits_dataset
+from ..integrations.digits import DigitsCNN, digits_dataset
 
 TRAIN = 1500  # of the 1,797 digits; the other 297 validate and supply input canaries
 
@@ -54,9 +54,9 @@ def demo_plan(canary: str, steps: Optional[int] = None, canaries_per_step: Optio
     steps / canaries_per_step override the defaults (DEMO_STEPS and the auditor's count
     for gradient canaries, INPUT_DEMO for input canaries).
     """
-    from .auditor import auto_canaries
-    from .canaries import KINDS
-    from .input_canaries import INPUT_KINDS
+    from ..engine.auditor import auto_canaries
+    from ..engine.canaries import KINDS
+    from ..engine.input_canaries import INPUT_KINDS
 
     if canary in INPUT_KINDS:
         default_count, default_steps = INPUT_DEMO[canary]
@@ -126,7 +126,7 @@ class PrivateDigitsModule(pl.LightningModule):
             poisson_sampling=isinstance(data_loader, DPDataLoader),
         )
         if self.hparams.bug:
-            from .bugs import inject_bug
+            from ..integrations.bugs import inject_bug
 
             inject_bug(optimizer, self.hparams.bug)
         return optimizer
@@ -153,7 +153,7 @@ def run_demo(
     """
     from pytorch_lightning.loggers import TensorBoardLogger
 
-    from .callback import DPAuditCallback
+    from ..integrations.callback import DPAuditCallback
 
     plan = demo_plan(canary, steps, canaries_per_step)
     steps = plan["steps"]

@@ -20,10 +20,10 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from .auditor import PrivacyAuditor
-from .monitor import POOLED
+from ..engine.auditor import PrivacyAuditor
+from ..analysis.monitor import POOLED
 from .budget import TimeBudget
-from .results import AuditResult, violation_message
+from ..analysis.results import AuditResult, violation_message
 
 ALERTS = ("warn", "raise", "stop")
 
@@ -226,7 +226,7 @@ class DPAuditCallback(Callback):
         loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         if not loggers:
             return
-        from .report import tradeoff_figure
+        from ..analysis.report import tradeoff_figure
 
         mu_lower = self.auditor.monitor.bounds.get(POOLED)
         histogram = self.auditor.log.histogram()
@@ -236,7 +236,7 @@ class DPAuditCallback(Callback):
 
     @rank_zero_only
     def _write_report(self, trainer, result: AuditResult) -> None:
-        from .report import summary_table, write_report
+        from ..analysis.report import summary_table, write_report
 
         directory = Path(_log_dir(trainer))
         json_path, png_path = write_report(
@@ -409,7 +409,7 @@ def _plain(options: dict) -> dict:
 def _versions() -> dict:
     import opacus
 
-    from . import __version__
+    from .. import __version__
 
     return {"lightning_dpaudit": __version__, "torch": torch.__version__, "opacus": opacus.__version__, "pytorch_lightning": pl.__version__}
 

@@ -26,17 +26,17 @@ import numpy as np
 import torch
 
 from . import distributed as dist
-from . import estimators as est
-from .estimators.live_epsilon import LiveEpsilon
+from .. import estimators as est
+from ..estimators.live_epsilon import LiveEpsilon
 from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
-from .findings import Evidence, diagnose
+from ..analysis.findings import Evidence, diagnose
 from .input_canaries import INPUT_KINDS, InputCanaries
 from .input_probe import InputProbe, check_input_model
-from .monitor import POOLED, REPEATS, SETUP, AnytimeMonitor
-from .noise_fingerprints import NoiseFingerprints
-from .observations import ObservationLog
+from ..analysis.monitor import POOLED, REPEATS, SETUP, AnytimeMonitor
+from ..analysis.noise_fingerprints import NoiseFingerprints
+from ..analysis.observations import ObservationLog
 from .probe import GradientProbe
-from .results import AuditResult, Finding, LayerAudit, violation_message
+from ..analysis.results import AuditResult, Finding, LayerAudit, violation_message
 
 MODES = ("one-run", "paired")
 DEFAULT_GRADIENT_CANARIES = 1024

@@ -14,7 +14,7 @@ INPUT_CANARIES = ("mislabeled", "blank", "adversarial", "crafted")
 
 
 def _demo(args) -> int:
-    from .bugs import BUGS
+    from ..integrations.bugs import BUGS
 
     if args.list_bugs:
         for name, description in BUGS.items():
@@ -57,7 +57,7 @@ def _demo(args) -> int:
 
 
 def _report(args) -> int:
-    from .report import load_report, summary_table
+    from ..analysis.report import load_report, summary_table
 
     directory = Path(args.directory)
     reports = sorted(directory.rglob("audit_report.json"), key=lambda p: p.stat().st_mtime)

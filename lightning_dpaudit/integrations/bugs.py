@@ -18,7 +18,7 @@ import torch
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
-from .distributed import sample_rate_of
+from ..engine.distributed import sample_rate_of
 
 __all__ = ["BUGS", "DISTRIBUTED_BUGS", "inject_bug", "list_bugs"]
 

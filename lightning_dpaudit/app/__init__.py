@@ -1,0 +1,1 @@
+"""The `dpaudit` command: demo, report, bug list."""
