@@ -43,7 +43,7 @@ def _run(args):
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from lightning_dpaudit.engine.auditor import DEFAULT_GRADIENT_CANARIES
+    from lightning_dpaudit.engine.options import DEFAULT_GRADIENT_CANARIES
 
     result, obs = train_audited(
         steps=steps, noise_multiplier=sigma, seed=10_000 + seed, return_observations=True,

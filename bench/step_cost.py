@@ -3,7 +3,7 @@
 Digits CNN, batch 64, default auditor, 1 thread; each phase is wrapped with a timer and
 reported in ms per step next to the whole step.
 
-    .venv/bin/python bench/step_cost.py [--steps 300] [--batch-size 64]
+    .venv/bin/python bench/step_cost.py [--steps 300] [--batch-size 64] [--check-every 8]
 """
 
 import argparse
@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
+from lightning_dpaudit.engine.options import BATCHED_CHECK_EVERY
 from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
 
 
@@ -34,29 +35,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--check-every", type=int, default=BATCHED_CHECK_EVERY)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     times = collections.defaultdict(float)
     model, optimizer, loader, _ = make_private_digits(batch_size=args.batch_size, seed=0)
-    auditor = PrivacyAuditor(optimizer, seed=0)
+    auditor = PrivacyAuditor(optimizer, seed=0, check_every=args.check_every)
+    record = auditor.record
     for obj, name, label in [
-        (auditor.sampler, "next_step", "draw canaries"),
-        (auditor.probe, "canary_rows", "build compressed rows"),
-        (auditor.probe, "clip", "optimizer's clipping of the canary rows"),
-        (auditor, "_release", "add_noise (the step's own)"),
-        (auditor, "_observe", "read release, observe, count"),
-        (auditor, "_check_noise", "  of which: noise fingerprint"),
-        (auditor.log, "append", "  of which: observation store"),
-        (auditor.monitor, "update", "  of which: monitor counts"),
-        (auditor, "_check", "anytime alarm check"),
+        (auditor.sampler, "next_step", "plant: draw canaries"),
+        (auditor.probe, "canary_rows", "plant: build compressed rows"),
+        (auditor.probe, "clip", "release: optimizer's clipping of the canary rows"),
+        (auditor.path, "add_noise", "release: add_noise (the step's own)"),
+        (auditor.path, "view", "read: gather the release at the pool"),
+        (auditor.kind, "read", "read: project the canaries"),
+        (auditor.pipeline, "check", "record + check (batched)"),
+        (auditor.pipeline.readings, "flush", "  of which: move to the host"),
+        (record.fingerprints, "check", "  of which: noise fingerprints"),
+        (record.log, "append", "  of which: observation store"),
+        (record.monitor, "advance", "  of which: monitor counts and tests"),
     ]:
         timed(times, obj, name, label)
-    timed(times, optimizer, "add_noise", "whole audited add_noise")
+    timed(times, optimizer, "add_noise", "whole audited add_noise")  # the pipeline's audited_step
     start = time.perf_counter()
     train_steps(model, optimizer, loader, args.steps)
     total = time.perf_counter() - start
-    print(f"canaries/step={auditor.per_step} batch={args.batch_size} steps={args.steps} threads=1")
+    print(f"canaries/step={auditor.per_step} batch={args.batch_size} steps={args.steps} check_every={args.check_every} threads=1")
     print("| phase | ms/step |")
     print("| --- | --- |")
     print(f"| whole training step | {1000 * total / args.steps:.3f} |")

@@ -14,7 +14,8 @@ import sys
 
 MOVED = {
     "analysis": ("findings", "monitor", "noise_fingerprints", "observations", "report", "results"),
-    "engine": ("auditor", "canaries", "distributed", "input_canaries", "input_probe", "probe"),
+    "engine": ("auditor", "distributed", "probe"),
+    "engine.kinds": ("canaries", "input_canaries", "input_probe"),
     "integrations": ("budget", "bugs", "callback", "digits", "testing"),
     "app": ("cli", "demo"),
 }

@@ -9,7 +9,7 @@ from opacus import PrivacyEngine
 from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.engine.auditor import DEFAULT_GRADIENT_CANARIES as K
+from lightning_dpaudit.engine.options import DEFAULT_GRADIENT_CANARIES as K
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset, make_private_digits
 from lightning_dpaudit.testing import train_audited
 

@@ -14,7 +14,7 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dpaudit import DPAuditCallback, PrivacyViolationError
-from lightning_dpaudit.engine.auditor import DEFAULT_GRADIENT_CANARIES
+from lightning_dpaudit.engine.options import DEFAULT_GRADIENT_CANARIES
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
 TRAIN = 512  # examples; batch 64 -> 8 steps per epoch

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.engine import input_probe
+from lightning_dpaudit.engine.kinds import input_probe
 from lightning_dpaudit.bugs import inject_bug
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_holdout, make_private_digits, train_steps
-from lightning_dpaudit.engine.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
-from lightning_dpaudit.engine.input_probe import InputProbe, pivoted_cholesky, symmetric_decorrelation
+from lightning_dpaudit.engine.kinds.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
+from lightning_dpaudit.engine.kinds.input_probe import InputProbe, pivoted_cholesky, symmetric_decorrelation
 from lightning_dpaudit.testing import train_audited
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
@@ -194,15 +194,15 @@ def test_observations_match_the_flat_float64_computation(clipping, mode, chunk, 
     auditor = PrivacyAuditor(opt, canary=canaries, module=model, canaries_per_step=16, mode=mode, seed=3)
     probe, rng = auditor.input_probe, np.random.default_rng(0)
     seen = {"grads": None, "calls": 0, "observed": 0}
-    prepare, project, observe = probe.prepare, probe.project, auditor._observe_input
+    prepare, project, read = probe.prepare, probe.project, auditor.kind.read
 
     def record_prepare(grads):
         seen["grads"] = [g.clone() for g in grads]  # by canary, before canary_rows moves rows
         return prepare(grads)
 
-    def checked_observe(data_sum, added, is_in):
-        released = [p.grad for p in probe.params]
-        sums = None if added is None else getattr(added, "values", added)  # the canaries' clipped sum, per tensor
+    def checked_read(planted, view):
+        released, data_sum, is_in = view.released, view.data, view.is_in
+        sums = None if view.canary_sum is None else view.canary_sum.values  # the canaries' clipped sum, per tensor
         reference = _flat_reference(seen["grads"], probe, released, data_sum, sums, is_in, np.zeros(len(probe.pool)))
         noise = probe.at_pool(released) - probe.at_pool(data_sum) - (0.0 if sums is None else probe.at_pool(sums))
         assert np.array_equal(noise, reference[2])  # gathered per tensor: the same float64 arithmetic
@@ -213,13 +213,14 @@ def test_observations_match_the_flat_float64_computation(clipping, mode, chunk, 
         np.testing.assert_allclose(values, expected[1], rtol=1e-6, atol=1e-9)
         captured = {}
         probe.project = lambda *a: captured.setdefault("out", project(*a))
-        observe(data_sum, added, is_in)  # the auditor's own reading (no noise repeats: no prediction)
+        reading = read(planted, view)  # the auditor's own reading (no noise repeats: no prediction)
         assert np.array_equal(captured["out"][0], reference[0])
         np.testing.assert_allclose(captured["out"][1], reference[1], rtol=1e-6, atol=1e-9)
         seen["calls"] += 1
         seen["observed"] += len(reference[0])
+        return reading
 
-    probe.prepare, auditor._observe_input = record_prepare, checked_observe
+    probe.prepare, auditor.kind.read = record_prepare, checked_read
     train_steps(model, opt, loader, 4)
     assert seen["calls"] == (8 if mode == "paired" else 4) and seen["observed"] > 0
     assert probe._grads == []  # the gradients are not kept past the step

@@ -56,6 +56,49 @@ class AnytimeMonitor:
             if layer in self.counts:
                 self.counts[layer] += per_layer[layer]
 
+    def advance(self, steps: np.ndarray, layers: np.ndarray, is_in: np.ndarray, values: np.ndarray) -> None:
+        """Add the observations of consecutive steps and test the counts after each of them.
+
+        steps: the step number (from 1) of each observation, non-decreasing. A group whose
+        anytime bound exceeds its claim after step t is recorded as violated at t, exactly
+        as a check after every step would record it; `check` reports it. The screen runs
+        on every step's cumulative counts at once, the exact bound only where it passes.
+        """
+        steps = np.asarray(steps, dtype=np.int64)
+        if steps.size == 0:
+            return
+        ends = np.flatnonzero(np.diff(steps)) + 1  # first observation of each later step
+        labels = steps[np.concatenate([[0], ends])]
+        row = np.zeros(steps.size, dtype=np.int64)
+        row[ends] = 1
+        row = np.cumsum(row)
+        said_in = np.asarray(values) >= THRESHOLD
+        is_in = np.asarray(is_in, dtype=bool)
+        outcome = np.where(is_in, np.where(said_in, 0, 1), np.where(said_in, 2, 3))
+        width = 4 * self.num_layers
+        per_step = np.bincount(row * width + np.asarray(layers) * 4 + outcome, minlength=len(labels) * width)
+        per_step = per_step.reshape(len(labels), self.num_layers, 4)
+        added = {POOLED: per_step.sum(axis=1), **{g: per_step[:, g] for g in self.counts if g >= 0}}
+        groups = list(added)
+        cumulative = np.stack([self.counts[g] + np.cumsum(added[g], axis=0) for g in groups])  # (groups, steps, 4)
+        alphas = np.repeat([self.alpha[g] for g in groups], len(labels))
+        screen = _screen_mu(cumulative.reshape(-1, 4).astype(float), alphas).reshape(len(groups), len(labels))
+        for gi, group in enumerate(groups):
+            self.counts[group] = cumulative[gi, -1].copy()
+            if group in self.first_violation:
+                continue
+            claim = self.claims[group]
+            for t in np.flatnonzero(screen[gi] > claim):
+                tp, fn, fp, tn = cumulative[gi, t]
+                if min(tp + fn, fp + tn) == 0:
+                    continue
+                bound = anytime_mu_lower(tp, fn, fp, tn, alpha=self.alpha[group], mu_anticipated=claim)
+                if bound > claim:
+                    self.bounds[group] = bound
+                    self.first_violation[group] = int(labels[t])
+                    self._flagged.append(group)
+                    break
+
     def check(self, step: int) -> List[int]:
         """Groups whose alarm fires at this check for the first time."""
         fired, self._flagged = self._flagged, []

@@ -109,16 +109,20 @@ class ObservationLog:
 
     # ------------------------------------------------------------------ appending
 
-    def append(self, *, step: int, layer, kind: str, is_in, value) -> None:
-        """Add one step's observations: per-canary layer, is_in and value arrays of one length."""
+    def append(self, *, step, layer, kind: str, is_in, value) -> None:
+        """Add observations: per-canary layer, is_in and value arrays of one length, and the step of
+        each (an array of that length, or one step for all)."""
         value = np.asarray(value, dtype=np.float64).ravel()
         n = value.size
         if n == 0:
             return
         layer = np.asarray(layer).ravel()
         is_in = np.asarray(is_in, dtype=bool).ravel()
-        if layer.size != n or is_in.size != n:
-            raise ValueError(f"`layer` ({layer.size}), `is_in` ({is_in.size}) and `value` ({n}) must have one length")
+        step = np.broadcast_to(np.asarray(step, dtype=np.int64), (n,)) if np.ndim(step) == 0 else np.asarray(step).ravel()
+        if layer.size != n or is_in.size != n or step.size != n:
+            raise ValueError(
+                f"`step` ({step.size}), `layer` ({layer.size}), `is_in` ({is_in.size}) and `value` ({n}) must have one length"
+            )
         if kind not in self.kinds:
             raise ValueError(f"unknown canary kind {kind!r}; this log knows {', '.join(self.kinds)}")
         code = self.kinds.index(kind)
@@ -163,7 +167,7 @@ class ObservationLog:
         n, size = value.size, self.window
         if n >= size:
             rows = slice(n - size, n)
-            self._ring["step"][:] = step
+            self._ring["step"][:] = step[rows]
             self._ring["layer"][:] = layer[rows]
             self._ring["kind"][:] = code
             self._ring["is_in"][:] = is_in[rows]
@@ -172,16 +176,15 @@ class ObservationLog:
             return
         start = self._next
         first = min(n, size - start)  # rows before the ring wraps
-        for column, data in (("layer", layer), ("is_in", is_in), ("value", value)):
+        for column, data in (("step", step), ("layer", layer), ("is_in", is_in), ("value", value)):
             ring = self._ring[column]
             ring[start : start + first] = data[:first]
             if first < n:
                 ring[: n - first] = data[first:]
-        for column, scalar in (("step", step), ("kind", code)):
-            ring = self._ring[column]
-            ring[start : start + first] = scalar
-            if first < n:
-                ring[: n - first] = scalar
+        ring = self._ring["kind"]
+        ring[start : start + first] = code
+        if first < n:
+            ring[: n - first] = code
         self._next = (start + n) % size
         self._filled = min(self._filled + n, size)
 

@@ -54,9 +54,9 @@ def demo_plan(canary: str, steps: Optional[int] = None, canaries_per_step: Optio
     steps / canaries_per_step override the defaults (DEMO_STEPS and the auditor's count
     for gradient canaries, INPUT_DEMO for input canaries).
     """
-    from ..engine.auditor import auto_canaries
-    from ..engine.canaries import KINDS
-    from ..engine.input_canaries import INPUT_KINDS
+    from ..engine.options import auto_canaries
+    from ..engine.kinds.canaries import KINDS
+    from ..engine.kinds.input_canaries import INPUT_KINDS
 
     if canary in INPUT_KINDS:
         default_count, default_steps = INPUT_DEMO[canary]

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from .canaries import StepCanaries
+from .kinds.canaries import StepCanaries
 
 
 class CompressedRowsFallbackWarning(UserWarning):
@@ -179,18 +179,26 @@ class GradientProbe:
 
     # ------------------------------------------------------------------ reading
 
+    def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Values of per-parameter tensors at the pool coordinates, float64 on their device (gathered per tensor)."""
+        return torch.cat([t.detach().reshape(-1)[idx] for t, idx in zip(tensors, self.pool_local)]).double()
+
     def at_pool(self, tensors: Sequence[torch.Tensor]) -> np.ndarray:
-        """Values of per-parameter tensors at the pool coordinates, as float64 (gathered per tensor)."""
-        flat = torch.cat([t.detach().reshape(-1)[idx] for t, idx in zip(tensors, self.pool_local)])
-        return flat.double().cpu().numpy()
+        """`gather` on the host, as a numpy float64 array."""
+        return self.gather(tensors).cpu().numpy()
+
+    def gather_sum(self, added: CanarySum) -> torch.Tensor:
+        """K at the pool coordinates, float64 on the parameters' device."""
+        if added.dense:
+            return self.gather(added.values)
+        out = torch.zeros(len(self.pool), dtype=torch.float64, device=self.pool.device)
+        positions = torch.as_tensor(added.pool_positions, device=out.device)
+        out[positions] = torch.cat(added.values).double()
+        return out
 
     def sum_at_pool(self, added: CanarySum) -> np.ndarray:
-        """K at the pool coordinates, as float64."""
-        if added.dense:
-            return self.at_pool(added.values)
-        out = np.zeros(len(self.pool))
-        out[added.pool_positions] = torch.cat(added.values).double().cpu().numpy()
-        return out
+        """`gather_sum` on the host, as a numpy float64 array."""
+        return self.gather_sum(added).cpu().numpy()
 
     def subtract_at_pool(self, tensors: Sequence[torch.Tensor], values: np.ndarray) -> None:
         """tensor -= values at the pool coordinates, in place (values: one per pool position)."""
@@ -202,6 +210,15 @@ class GradientProbe:
             if nonzero.size:
                 where = idx[torch.as_tensor(nonzero, device=idx.device)]
                 t.view(-1).index_add_(0, where, torch.as_tensor(-part[nonzero], dtype=t.dtype, device=t.device))
+
+    def project_on_device(self, pool_values, canaries: StepCanaries):
+        """`project` where the values live: a float64 tensor on their device for a tensor, numpy otherwise."""
+        if not torch.is_tensor(pool_values):
+            return self.project(pool_values, canaries)
+        device = pool_values.device
+        index = torch.as_tensor(canaries.pool_index, device=device)
+        scaled = torch.as_tensor(canaries.weights / self.clip_bounds[canaries.tensor][:, None], device=device)
+        return (scaled * pool_values[index]).sum(dim=1)
 
     def project(self, pool_values: np.ndarray, canaries: StepCanaries) -> np.ndarray:
         """Normalized observation of each canary: <w, values on its support> / C_l."""

@@ -20,7 +20,7 @@ import torch
 from ..engine.auditor import PrivacyAuditor
 from .bugs import BUGS, inject_bug, list_bugs
 from .digits import digits_holdout, make_private_digits, train_steps
-from ..engine.input_canaries import INPUT_KINDS, InputCanaries
+from ..engine.kinds.input_canaries import INPUT_KINDS, InputCanaries
 
 HOLDOUT = 256  # digits left out of training for input canaries
 from ..analysis.results import AuditResult
@@ -54,7 +54,9 @@ def train_audited(
     attaches (for example to inject a bug or build a user's optimizer class). With
     return_observations, returns (result, observations) instead (the latest
     `observation_window` observations, 65,536 unless given). Input canaries get the
-    last HOLDOUT digits, left out of training, as their in-distribution sample.
+    last HOLDOUT digits, left out of training, as their in-distribution sample. The audit
+    checks after every step unless `check_every` is given: a test wants the step at which
+    a bug shows itself (and training stops there with stop_on_violation).
     """
     canary = auditor_options.get("canary")
     if (isinstance(canary, InputCanaries) or canary in INPUT_KINDS) and "canary_inputs" not in auditor_options:
@@ -74,6 +76,7 @@ def train_audited(
         optimizer = transform(optimizer)
     violated = []
     auditor_options.setdefault("seed", seed)
+    auditor_options.setdefault("check_every", 1)
     auditor = PrivacyAuditor(optimizer, module=model, on_violation=violated.append, **auditor_options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook.*")

@@ -369,3 +369,21 @@ def check_input_model(model, params, canaries: InputCanaries) -> None:
     labels = canaries.labels
     if canaries.kind != "blank" or labels is not None:
         check_sample(x, labels, canaries.num_classes)
+    if len(x) >= 2:
+        check_summed_loss(canaries.loss_fn, out, labels[:2] if labels is not None else torch.zeros(2, dtype=torch.int64))
+
+
+def check_summed_loss(loss_fn, outputs: torch.Tensor, labels: torch.Tensor) -> None:
+    """The canaries' loss must sum over the batch: a mean divides each canary's gradient by the
+    batch size, below the clipping bound, and the canaries go unobserved."""
+    with torch.no_grad():
+        both = loss_fn(outputs, labels)
+        each = loss_fn(outputs[:1], labels[:1]) + loss_fn(outputs[1:2], labels[1:2])
+    if not torch.is_tensor(both) or both.numel() != 1:
+        raise ValueError(f"`loss_fn` must return one number for a batch (a summed loss); it returned shape {tuple(torch.as_tensor(both).shape)}")
+    if not torch.allclose(both, each, rtol=1e-4, atol=1e-6):
+        raise ValueError(
+            f"`loss_fn` must sum over the batch (e.g. nn.CrossEntropyLoss(reduction='sum')): on two canaries it gives "
+            f"{float(both):.4g}, their losses add up to {float(each):.4g}. A mean-reduced loss shrinks every canary's "
+            "gradient by the batch size and no canary would be observed."
+        )

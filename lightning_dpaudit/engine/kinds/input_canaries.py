@@ -115,6 +115,9 @@ def check_sample(inputs: torch.Tensor, labels: torch.Tensor, num_classes: int) -
         raise ValueError("input canaries need a sample of in-distribution inputs (`inputs`), got none")
     if labels is None or len(inputs) != len(labels):
         raise ValueError(f"`inputs` has {len(inputs)} examples but `labels` has {0 if labels is None else len(labels)}")
+    if not torch.is_tensor(labels) or labels.dim() != 1:
+        shape = tuple(labels.shape) if torch.is_tensor(labels) else type(labels).__name__
+        raise ValueError(f"`labels` must be a 1-D tensor of class indices (not one-hot); got {shape}")
     if labels.dtype not in (torch.int64, torch.int32) or labels.min() < 0 or labels.max() >= num_classes:
         raise ValueError(f"`labels` must be integers in [0, {num_classes}); got {labels.dtype} in [{labels.min()}, {labels.max()}]")
 
@@ -144,14 +147,14 @@ def make_input_canaries(
     """
     if kind not in INPUT_KINDS:
         raise ValueError(f"Unexpected value for `canary`: {kind!r}; input canary kinds are {', '.join(INPUT_KINDS)}")
+    if kind == "blank":  # the sample's shape is all it needs
+        start = int(torch.randint(num_classes, (1,), generator=generator))
+        return torch.zeros((count, *inputs.shape[1:]), dtype=inputs.dtype), (start + torch.arange(count)) % num_classes
     check_sample(inputs, labels, num_classes)
     loss_fn = loss_fn or nn.CrossEntropyLoss(reduction="sum")
     n = len(inputs)
     order = torch.cat([torch.randperm(n, generator=generator) for _ in range(-(-count // n))])[:count]
     x, y = inputs[order].clone(), labels[order].clone()
-    if kind == "blank":
-        start = int(torch.randint(num_classes, (1,), generator=generator))
-        return torch.zeros_like(x), (start + torch.arange(count)) % num_classes
     if kind == "adversarial":
         return _pgd(model, loss_fn, x, y, steps=steps, step_size=step_size, radius=epsilon), y
     y = (y + torch.randint(1, num_classes, (count,), generator=generator)) % num_classes  # a wrong label

@@ -1,0 +1,165 @@
+"""From what an audit recorded to an AuditResult: fixed-sample and anytime bounds, end-to-end
+epsilon, findings. Torch-free; the accountant is read through its `history` and `mechanism()`.
+
+Per group (pooled, each tensor) the threshold-0.5 attack's counts (tp, fn, fp, tn) give a
+fixed-sample mu lower bound (the chosen estimator) and the monitor's anytime-valid one.
+The end-to-end lower bound composes sigma_emp = 1 / mu_lower over the accountant's own
+history with the accountant's own method (Tight Auditing 5.5; estimators.live_epsilon).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .. import estimators as est
+from ..estimators.live_epsilon import LiveEpsilon
+from .findings import Evidence, diagnose
+from .monitor import POOLED, REPEATS, SETUP
+from .record import AuditRecord
+from .results import AuditResult, LayerAudit
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What the audited run claims and how the audit judges it.
+
+    mu_claimed = 1 / noise_multiplier: each step is mu-GDP for every canary.
+    """
+
+    noise_multiplier: float
+    delta: float
+    confidence: float
+    estimator: str
+    mode: str
+    canary: str
+    gradient: bool  # gradient canaries (False: input canaries)
+    canary_scale: float
+    batch_size: Optional[float] = None
+
+    @property
+    def mu_claimed(self) -> float:
+        return 1.0 / self.noise_multiplier
+
+    @property
+    def epsilon_step_claimed(self) -> float:
+        return est.mu_to_epsilon(self.mu_claimed, self.delta)
+
+
+class ResultAssembler:
+    """Builds AuditResults; keeps the live-epsilon curves of the accountant's kind between calls."""
+
+    def __init__(self, claim: Claim):
+        self.claim = claim
+        self._live: Optional[LiveEpsilon] = None
+
+    def result(self, record: AuditRecord, layer_names: Sequence[str], steps: int, accountant, *, accounting: bool = True) -> AuditResult:
+        claim, monitor = self.claim, record.monitor
+        counts = monitor.group_counts()
+        groups = [POOLED, *range(len(layer_names))]
+        mus = self.mu_lower(np.array([counts[g] for g in groups]))
+        mu_step = float(mus[0])
+        anytime = monitor.refresh_bounds()
+        layers = []
+        for i, name in enumerate(layer_names):
+            tp, fn, fp, tn = counts[i]
+            layers.append(
+                LayerAudit(
+                    name=name,
+                    mu_lower_bound=float(mus[i + 1]),
+                    mu_lower_bound_anytime=float(anytime.get(i, 0.0)),
+                    mu_claimed=float(monitor.claims[i]),
+                    n_in=int(tp + fn),
+                    n_out=int(fp + tn),
+                    violation=i in monitor.first_violation,
+                )
+            )
+        tp, fn, fp, tn = counts[POOLED]
+        violating = tuple(group_name(g, layer_names) for g in sorted(monitor.first_violation))
+        first = min(monitor.first_violation.values()) if monitor.first_violation else None
+        eps_accountant, eps_lower = self.end_to_end(mu_step, accountant) if accounting else (math.nan, math.nan)
+        findings = diagnose(
+            self.evidence(record, layer_names, anytime), violation=bool(violating), first_violation_step=first,
+            extra=record.problems,
+        )
+        return AuditResult(
+            epsilon_lower_bound=eps_lower,
+            epsilon_accountant=eps_accountant,
+            mu_lower_bound=mu_step,
+            mu_lower_bound_anytime=float(anytime.get(POOLED, 0.0)),
+            mu_claimed=claim.mu_claimed,
+            violation=bool(violating),
+            violating_layers=violating,
+            n_in=int(tp + fn),
+            n_out=int(fp + tn),
+            steps=int(steps),
+            estimator=claim.estimator,
+            confidence=claim.confidence,
+            delta=claim.delta,
+            epsilon_step_lower_bound=est.mu_to_epsilon(mu_step, claim.delta),
+            epsilon_step_claimed=claim.epsilon_step_claimed,
+            first_violation_step=first,
+            noise_repeats=record.fingerprints.matches,
+            first_noise_repeat=record.fingerprints.first_repeat,
+            mode=claim.mode,
+            canary=claim.canary,
+            layers=tuple(layers),
+            findings=findings,
+        )
+
+    def evidence(self, record: AuditRecord, layer_names: Sequence[str], anytime: dict) -> Evidence:
+        """The numpy state findings.diagnose reads: moments per tensor, claims, alarms, noise repeats."""
+        claim, monitor = self.claim, record.monitor
+        tensors = len(layer_names)
+        moments = np.zeros((tensors, 2, 3))
+        logged = record.log.moments()[:tensors]
+        moments[: len(logged)] = logged
+        return Evidence(
+            moments=moments,
+            claims=np.array([monitor.claims[i] for i in range(tensors)], dtype=float),
+            names=tuple(layer_names),
+            confidence=claim.confidence,
+            noise_multiplier=claim.noise_multiplier,
+            mu_claimed=claim.mu_claimed,
+            gradient=claim.gradient,
+            alarms=dict(monitor.first_violation),
+            mu_anytime=dict(anytime),
+            first_repeat=record.fingerprints.first_repeat,
+            repeats=record.fingerprints.matches,
+            batch_size=claim.batch_size,
+            canary_scale=claim.canary_scale,
+        )
+
+    def mu_lower(self, counts: np.ndarray) -> np.ndarray:
+        """Fixed-sample mu lower bounds from the threshold-0.5 attack's counts, one row (tp, fn, fp, tn) per group."""
+        claim = self.claim
+        counts = np.asarray(counts, dtype=np.int64)
+        if claim.estimator.startswith("gdp"):
+            return np.atleast_1d(est.mu_from_counts(*counts.T, method=claim.estimator, confidence=claim.confidence))
+        mus = []
+        for row in counts:
+            e = est.epsilon_from_counts(*(int(c) for c in row), delta=claim.delta, method=claim.estimator, confidence=claim.confidence)
+            mus.append(float(e.mu) if e.mu is not None else est.epsilon_to_mu(e.epsilon, claim.delta) if e.epsilon > 0 else 0.0)
+        return np.array(mus)
+
+    def end_to_end(self, mu_step: float, accountant):
+        """(accountant epsilon, end-to-end lower bound), the curves cached per accountant kind (LiveEpsilon)."""
+        if accountant is None or not accountant.history:
+            return math.nan, math.nan
+        kind = accountant.mechanism()
+        if self._live is None or self._live.accountant != kind:
+            self._live = LiveEpsilon(kind, delta=self.claim.delta)
+        return self._live.accountant_epsilon(accountant.history), self._live.lower_bound_epsilon(mu_step, accountant.history)
+
+
+def group_name(group: int, layer_names) -> str:
+    if group == POOLED:
+        return "pooled"
+    if group == REPEATS:
+        return "noise repeats"
+    if group == SETUP:
+        return "distributed set-up"
+    return layer_names[group]

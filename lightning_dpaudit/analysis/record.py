@@ -1,0 +1,107 @@
+"""What an audit has seen: observations, the anytime monitor, noise fingerprints and set-up problems.
+
+Host-side and torch-free. The engine hands over the readings of the steps since the last
+check (`StepReading`, one per noised step) and asks, at each check, which alarms fired.
+The monitor tests the counts after every step of a batch (AnytimeMonitor.advance), so
+the step an alarm records is the one a check after every step would record; only the
+moment the alarm is raised waits for the check.
+
+Error budget (1 - confidence): the noise-repeat test takes REPEAT_ALPHA of the pooled
+share; the monitor splits the rest (see monitor.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .monitor import REPEATS, SETUP, AnytimeMonitor
+from .noise_fingerprints import NoiseFingerprints
+from .observations import ObservationLog
+from .results import Finding
+
+SENTINELS = 128  # pool coordinates whose noise is fingerprinted every step
+REPEAT_ALPHA = 1e-6  # false-alarm budget of the noise-repeat test, taken from the pooled test's share
+QUIET_NOISE = 1e-3  # sentinel noise below this RMS (x sigma*C) is no noise: nothing to fingerprint
+
+
+@dataclass(frozen=True)
+class StepReading:
+    """One noised step, read on the host.
+
+    step   the step's index, from 0
+    layer  (k,) parameter-tensor group of each observation
+    is_in  (k,) whether each canary entered the release
+    value  (k,) normalized observations: N(0, s^2) out, N(1, s^2) in for a correct optimizer
+    noise  (SENTINELS,) the release's noise at the sentinel coordinates, in units of sigma*C
+           (None when the step has no noise to check)
+    """
+
+    step: int
+    layer: np.ndarray
+    is_in: np.ndarray
+    value: np.ndarray
+    noise: Optional[np.ndarray]
+
+
+class AuditRecord:
+    """The observation log, the anytime monitor, the noise fingerprints and the set-up problems of one audit."""
+
+    def __init__(self, layer_claims: dict, pooled_claim: float, *, confidence: float, kinds: Sequence[str], window: int):
+        self.log = ObservationLog(list(kinds), window=window)
+        self.monitor = AnytimeMonitor(layer_claims, pooled_claim, confidence=confidence, reserved=REPEAT_ALPHA)
+        self.fingerprints = NoiseFingerprints(SENTINELS, alpha=REPEAT_ALPHA)
+        self.problems: List[Finding] = []
+        self.alerted = False
+
+    def add(self, readings: Sequence[StepReading], kind: str) -> None:
+        """Log, count and fingerprint the readings of consecutive steps (in step order)."""
+        if not readings:
+            return
+        steps = np.concatenate([np.full(len(r.value), r.step, dtype=np.int64) for r in readings])
+        layer = np.concatenate([r.layer for r in readings])
+        is_in = np.concatenate([r.is_in for r in readings])
+        value = np.concatenate([r.value for r in readings])
+        self.log.append(step=steps, layer=layer, kind=kind, is_in=is_in, value=value)
+        self.monitor.advance(steps + 1, layer, is_in, value)
+        for r in readings:
+            self._fingerprint(r.noise, r.step + 1)
+
+    def _fingerprint(self, noise: Optional[np.ndarray], step: int) -> None:
+        """A repeat of an earlier step's noise is a violation. Steps without noise repeat nothing
+        (the canaries see the missing noise directly)."""
+        if noise is None or np.sqrt(np.mean(noise**2)) < QUIET_NOISE:
+            return
+        if self.fingerprints.check(noise, step) is not None:
+            self.monitor.flag(REPEATS, step)
+
+    def note_problem(self, code: str, message: Optional[str], step: int) -> bool:
+        """Record a set-up problem found outside the canaries (a certainty, not a test); True when new."""
+        if not message or any(code == known.code for known in self.problems):
+            return False
+        self.problems.append(Finding(code, message, first_step=int(step)))
+        self.monitor.flag(SETUP, int(step))
+        return True
+
+    def fired(self, step: int) -> list:
+        """Groups whose alarm fired since the last call, tested at `step` as well."""
+        return self.monitor.check(step)
+
+    def state_dict(self) -> dict:
+        return {
+            "alerted": self.alerted,
+            "fingerprints": self.fingerprints.state_dict(),
+            "log": self.log.state_dict(),
+            "monitor": self.monitor.state_dict(),
+            "problems": [[f.code, f.message, f.first_step] for f in self.problems],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.alerted = bool(state.get("alerted", False))
+        if "fingerprints" in state:
+            self.fingerprints.load_state_dict(state["fingerprints"])
+        self.log.load_state_dict(state["log"])
+        self.monitor.load_state_dict(state["monitor"])
+        self.problems = [Finding(str(c), str(m), first_step=int(s)) for c, m, s in state.get("problems", [])]

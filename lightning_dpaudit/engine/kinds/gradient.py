@@ -1,0 +1,46 @@
+"""Gradient canaries (dirac, constant, random): chosen per-sample gradients on a few coordinates.
+
+Canary i of a step sits in tensor l_i on a support of pool coordinates with unit direction
+w_i; its row is scale * C_l * w_i. Its observation is <w_i, R - S> / C_l, read at its
+support: computed on the parameters' device, so a step moves nothing to the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .canaries import CanarySampler
+from ..probe import GradientProbe
+from .base import Planted, Reading, ReleaseView, sentinel_noise
+
+
+class GradientCanaries:
+    reads_on_device = True
+    def __init__(self, sampler: CanarySampler, probe: GradientProbe, *, layer_names, layer_claims, sentinels, noise_std):
+        self.name = sampler.kind
+        self.sampler, self.probe = sampler, probe
+        self.layer_names, self.layer_claims = layer_names, layer_claims
+        self.sentinels, self.noise_std = sentinels, float(noise_std)
+        self._sentinels_device = None if sentinels is None else torch.as_tensor(sentinels, device=probe.pool.device)
+
+    def plant(self, step: int, *, all_in: bool = False) -> Planted:
+        canaries = self.sampler.next_step(all_in=all_in)
+        return Planted(canaries.is_in, lambda which: self.probe.canary_rows(canaries, which), canaries)
+
+    def read(self, planted: Planted, view: ReleaseView) -> Reading:
+        canaries = planted.canaries
+        values = self.probe.project_on_device(view.centered, canaries)
+        noise = sentinel_noise(view, self._sentinels_device if torch.is_tensor(view.centered) else self.sentinels, self.noise_std)
+        return Reading(canaries.tensor, view.is_in, values, noise)
+
+    def finish_step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "pool": [p.cpu().numpy() for p in self.probe.pool_local]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        if "pool" in state:
+            self.probe.set_pool(state["pool"])

@@ -1,0 +1,71 @@
+"""Input canaries (mislabeled, blank, adversarial, crafted): examples whose per-sample gradients,
+from the model's own Opacus hooks, enter the step as rows (see input_probe for the reading).
+
+All canaries form one observation group ("all parameters"): their gradients span every
+tensor. Each step computes the canaries' per-sample gradients and their Gram matrix on
+the host (the decorrelation needs it), so this kind reads on the host every step; its
+own forward and backward pass dominate its cost.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .input_canaries import InputCanaries
+from .input_probe import InputProbe
+from ..probe import GradientProbe
+from .base import Planted, Reading, ReleaseView, sentinel_noise
+
+ALL_LAYERS = "all parameters"
+
+
+class InputCanaryKind:
+    reads_on_device = False  # the decorrelation reads the canaries' Gram matrix every step
+    def __init__(self, spec: InputCanaries, input_probe: InputProbe, pool: GradientProbe, *, model, per_step, mode, rng,
+                 mu_claimed, sentinels, noise_std):
+        self.name = spec.kind
+        self.spec, self.input_probe, self.pool = spec, input_probe, pool
+        self.model, self.per_step, self.mode, self.rng = model, per_step, mode, rng
+        self.layer_names, self.layer_claims = [ALL_LAYERS], {0: mu_claimed}
+        self.sentinels, self.noise_std = sentinels, float(noise_std)
+
+    def plant(self, step: int, *, all_in: bool = False) -> Planted:
+        probe, spec = self.input_probe, self.spec
+        if spec.due(step):
+            spec.build(self.model, self.per_step, torch.Generator().manual_seed(int(self.rng.integers(2**62))))
+        probe.prepare(probe.gradients())
+        k = len(spec.x)
+        is_in = np.ones(k, dtype=bool)
+        if not all_in:
+            is_in[:] = False
+            is_in[self.rng.permutation(k)[: k // 2]] = True
+        return Planted(is_in, lambda which: (probe.canary_rows(which), [None] * len(probe.params)))
+
+    def read(self, planted: Planted, view: ReleaseView) -> Reading:
+        observed, values = self.input_probe.project(view.released, view.data, view.is_in)
+        noise = sentinel_noise(view, self.sentinels, self.noise_std)
+        return Reading(np.zeros(len(values), dtype=int), view.is_in[observed], values, noise)
+
+    def finish_step(self) -> None:
+        self.input_probe.release()
+
+    def state_dict(self) -> dict:
+        spec = self.spec
+        saved = None
+        if spec.x is not None:
+            saved = {"x": spec.x.detach().cpu().numpy(), "y": spec.y.detach().cpu().numpy(), "builds": spec.builds}
+        return {
+            "sampler": {"rng": self.rng.bit_generator.state},
+            "input_canaries": saved,
+            "pool": [p.cpu().numpy() for p in self.pool.pool_local],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["sampler"]["rng"]
+        saved = state.get("input_canaries")
+        if saved:
+            self.spec.x, self.spec.y = torch.as_tensor(saved["x"]), torch.as_tensor(saved["y"])
+            self.spec.builds = int(saved["builds"])
+        if "pool" in state:
+            self.pool.set_pool(state["pool"])

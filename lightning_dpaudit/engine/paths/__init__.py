@@ -1,0 +1,41 @@
+"""Release paths: one per family of Opacus optimizers, chosen in one place (`release_path_for`),
+as opacus.optimizers.get_optimizer_class maps a set-up to its optimizer class.
+
+    DPOptimizer, DPPerLayerOptimizer, ... on one process     PerSampleRelease
+    DistributedDPOptimizer, SimpleDistributedPerLayer...     ReducedRelease (several processes)
+
+Families the audit cannot read yet are refused here, each with what to use instead.
+"""
+
+from __future__ import annotations
+
+from .. import distributed as dist
+from .base import PathSettings
+from .per_sample import PerSampleRelease
+from .reduced import ReducedRelease
+
+__all__ = ["PathSettings", "PerSampleRelease", "ReducedRelease", "release_path_for"]
+
+
+def release_path_for(optimizer) -> type:
+    """The release path class for this optimizer, or a TypeError naming why it cannot be audited."""
+    from opacus.optimizers import DPOptimizer
+
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(
+            f"PrivacyAuditor needs an Opacus DPOptimizer, got {type(optimizer).__name__}: pass the optimizer "
+            "returned by `PrivacyEngine.make_private(...)`"
+        )
+    name = type(optimizer).__name__
+    dist.check_supported(optimizer)
+    families = {c.__name__ for c in type(optimizer).__mro__}
+    if any("FastGradientClipping" in f for f in families):
+        raise TypeError(
+            f"{name} uses fast (ghost) gradient clipping: per-sample gradients never exist, so gradient canaries "
+            "cannot enter its clipping. Use grad_sample_mode='hooks' (the default) for an audited run."
+        )
+    if "AdaClipDPOptimizer" in families:
+        raise TypeError("AdaClipDPOptimizer adapts its clipping bound to the batch; canary rows would bias it")
+    if dist.is_reducing(optimizer) and dist.world_size() > 1:
+        return ReducedRelease
+    return PerSampleRelease

@@ -1,0 +1,76 @@
+"""What a release path is to the step pipeline: how canaries enter the optimizer's own
+mechanism, where the release is read, and how the update is left as it would have been.
+
+A path wraps the optimizer's methods on the instance (subclasses keep their overrides)
+and, for each audited step, calls `read(view)` for every release it makes (a
+ReleaseView) and `done()` when the step's release is complete. The pipeline does the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
+
+import numpy as np
+
+from ..kinds.base import Planted, ReleaseView
+
+Read = Callable[[ReleaseView], None]
+Done = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class PathSettings:
+    """What a path may need beyond the optimizer and the pool reader.
+
+    note_problem(code, message, step)   records a set-up problem the path finds
+    sentinels                           pool positions whose noise is fingerprinted (None: too few)
+    noise_std                           sigma * C, the noise's standard deviation
+    """
+
+    note_problem: Callable[[str, Optional[str], int], None]
+    sentinels: Optional[np.ndarray]
+    noise_std: float
+    layer_names: Sequence[str]
+    checksum_every: int
+
+
+class ReleasePath(Protocol):
+    local: bool  # True on one process; False where alarms wait for a check every rank reaches
+    reads_on_device: bool  # a step's release is read without moving values to the host
+    def attach(self, audited_step: Callable[[], None]) -> None:
+        """Route the optimizer's noising through `audited_step` (on the instance)."""
+
+    def detach(self) -> None:
+        """Restore the optimizer's methods exactly as they were."""
+
+    def release_plain(self) -> None:
+        """The un-audited release (steps past `observe_steps`)."""
+
+    def release(self, planted: Planted, *, step: int, paired: bool, read: Read, done: Done) -> None:
+        """Release the step with the planted canaries; read each release; leave the un-audited update."""
+
+    def agree(self, fired: list, recheck: Callable[[], list], note_problem) -> list:
+        """The groups that fired, as every process sees them (one process: `fired`)."""
+
+
+class LocalChecks:
+    """Defaults for paths on one process: any options, one's own seed, nothing to agree on."""
+
+    @staticmethod
+    def check_options(options) -> None:
+        pass
+
+    @staticmethod
+    def agree_on_seed(seed: Optional[int]) -> Optional[int]:
+        return seed
+
+    def verify_start(self, per_step: int, seed) -> None:
+        pass
+
+    def agree(self, fired: list, recheck, note_problem) -> list:
+        return fired
+
+
+def no_canaries(k: int) -> np.ndarray:
+    return np.zeros(k, dtype=bool)

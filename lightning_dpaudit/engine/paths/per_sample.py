@@ -1,0 +1,88 @@
+"""Per-sample clipping on one process (DPOptimizer and its per-layer subclasses).
+
+Per audited step, with S = summed_grad after the optimizer clipped the real batch:
+
+    K = clip_and_accumulate(canary rows)     the optimizer's own clipping code
+    R = add_noise() on S + K                 the optimizer's own noise
+    read (R - S) at the pool; the update keeps R - K = S + noise, the un-audited one.
+
+one-run: the in-canaries enter the one release. paired: the real release carries none
+(every canary out), and a second privatization of S + K (all in) gives the in-observations;
+the update keeps the first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kinds.base import Planted, ReleaseView
+from ..probe import CanarySum, GradientProbe
+from .base import LocalChecks, PathSettings, no_canaries
+
+
+class PerSampleRelease(LocalChecks):
+    local = True  # one process: a set-up problem alarms at once
+    reads_on_device = True  # readings stay on the device until a check
+    def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
+        self.optimizer, self.probe, self.settings = optimizer, probe, settings
+
+    def attach(self, audited_step) -> None:
+        opt = self.optimizer
+        self._had_own_add_noise = "add_noise" in vars(opt)
+        self._previous_add_noise = vars(opt).get("add_noise")
+        self.add_noise = opt.add_noise
+        opt.add_noise = audited_step
+
+    def detach(self) -> None:
+        if self._had_own_add_noise:
+            self.optimizer.add_noise = self._previous_add_noise
+        else:
+            del self.optimizer.add_noise
+
+    def release_plain(self) -> None:
+        self.add_noise()
+
+    def release(self, planted: Planted, *, step: int, paired: bool, read, done) -> None:
+        params = self.probe.params
+        data = [p.summed_grad for p in params]
+        if not paired:
+            added = self.release_with(planted.rows(planted.is_in))
+            read(self.view(data, added, planted.is_in, own=True))
+            added.remove_from([p.grad for p in params])
+        else:
+            self.add_noise()
+            released = [p.grad for p in params]  # add_noise assigns new tensors: these stay as they are
+            read(self.view(data, None, no_canaries(len(planted.is_in)), own=True))
+            every = np.ones(len(planted.is_in), dtype=bool)
+            added = self.release_with(planted.rows(every))
+            read(self.view(data, added, every, own=False))
+            for p, r in zip(params, released):
+                p.grad = r
+        restore_data_sum(params, data)
+        done()
+
+    def view(self, data, added, is_in, *, own: bool) -> ReleaseView:
+        """The release now in p.grad, centred on the data's sum, gathered at the pool on the device."""
+        released = [p.grad for p in self.probe.params]
+        centered = self.probe.gather(released) - self.probe.gather(data)
+        at_pool = None if added is None else self.probe.gather_sum(added)
+        return ReleaseView(released, data, centered, at_pool, is_in, own, canary_sum=added)
+
+    def release_with(self, rows_and_columns) -> CanarySum:
+        """Release data + canaries through the optimizer's own clipping and noise; summed_grad is the data's again after."""
+        params = self.probe.params
+        added = self.probe.clip(self.optimizer, *rows_and_columns)
+        added.enter(params)
+        self.add_noise()
+        for p in params:  # a release that is a view of summed_grad (a rank without noise) keeps its canaries
+            if p.grad.data_ptr() == p.summed_grad.data_ptr():
+                p.grad = p.grad.clone()
+        added.leave(params)
+        return added
+
+
+def restore_data_sum(params, data_sum) -> None:
+    """summed_grad as the un-audited step leaves it: the data's own clipped sum, marked as noised."""
+    for p, s in zip(params, data_sum):
+        p.summed_grad = s
+        s._processed = True
