@@ -26,19 +26,14 @@ import numpy as np
 import torch
 
 from ..analysis.assemble import Claim, ResultAssembler
-from ..analysis.record import SENTINELS, AuditRecord
+from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
-from .kinds.canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
-from .kinds.input_canaries import INPUT_KINDS
-from .kinds.input_probe import InputProbe, check_input_model
-from .kinds.gradient import GradientCanaries
-from .kinds.input import InputCanaryKind
-from .names import layer_names
-from .options import BATCHED_CHECK_EVERY, check_accountant, check_claim, validate
+from .kinds import ALL_KIND_NAMES, canary_kind_for
+from .kinds.input_probe import check_input_model
+from .options import BATCHED_CHECK_EVERY, Mechanism, check_accountant, check_claim, find_accountant, validate
 from .paths import PathSettings, release_path_for
 from .pipeline import StepPipeline
-from .probe import GradientProbe
 from .state import AuditStateError, check_state, setup_of
 
 
@@ -103,15 +98,13 @@ class PrivacyAuditor:
         self.optimizer, self.options, self.model = optimizer, options, module
         self.accountant = accountant if accountant is not None else find_accountant(optimizer)
         self.on_violation = options.on_violation
-        params = list(optimizer.params)
-        per_layer = hasattr(optimizer, "max_grad_norms")
-        clip = np.array(optimizer.max_grad_norms if per_layer else [optimizer.max_grad_norm] * len(params), dtype=float)
-        sigma, C = float(optimizer.noise_multiplier), float(optimizer.max_grad_norm)
-        self.setup = setup_of(params, clip, per_layer, sigma, options)
+        mechanism = Mechanism.of(optimizer)
+        sigma, C = mechanism.noise_multiplier, mechanism.max_grad_norm
+        self.setup = setup_of(mechanism, options)
         self.rng = np.random.default_rng(seed)
-        self.kind = self._canary_kind(params, clip, per_layer, sigma, C)
+        self.kind = canary_kind_for(optimizer, mechanism, options, module, self.rng)
         self.record = AuditRecord(
-            self.kind.layer_claims, 1.0 / sigma, confidence=options.confidence, kinds=KINDS + INPUT_KINDS,
+            self.kind.layer_claims, 1.0 / sigma, confidence=options.confidence, kinds=ALL_KIND_NAMES,
             window=options.observation_window,
         )
         self.results = ResultAssembler(Claim(
@@ -120,7 +113,7 @@ class PrivacyAuditor:
             batch_size=getattr(optimizer, "expected_batch_size", None),
         ))
         self.path = path_class(optimizer, self.probe, PathSettings(
-            note_problem=lambda *a: self.pipeline.note_problem(*a), sentinels=self.sentinels, noise_std=sigma * C,
+            note_problem=lambda *a: self.pipeline.note_problem(*a), sentinels=self.kind.sentinels, noise_std=sigma * C,
             layer_names=self.layer_names, checksum_every=options.checksum_every,
         ))
         check_every = options.check_every
@@ -135,36 +128,6 @@ class PrivacyAuditor:
         optimizer._dpaudit_auditor = self
         self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
 
-    def _canary_kind(self, params, clip, per_layer, sigma, C):
-        """The canary kind and the pool reader it shares with the release path."""
-        options, sizes = self.options, [p.numel() for p in params]
-        if options.input:
-            self.sampler = None
-            pool = choose_pool(sizes, DEFAULT_POOL, self.rng)
-        else:
-            self.sampler = CanarySampler(
-                sizes, kind=options.canary, per_step=options.canaries_per_step, moving=options.moving,
-                support=options.support, rng=self.rng,
-            )
-            pool = self.sampler.pool
-        self.probe = GradientProbe(params, pool, clip, options.canary_scale)
-        self.sentinels = sentinel_positions(len(self.probe.pool))
-        if options.input:
-            self.input_probe = InputProbe(
-                params, self.model, options.canary, clip, per_layer=per_layer, max_grad_norm=C,
-                loss_reduction=self.optimizer.loss_reduction, pool=self.probe.pool,
-            )
-            options.canary.options["norm_floor"] = C
-            return InputCanaryKind(
-                options.canary, self.input_probe, self.probe, model=self.model, per_step=options.canaries_per_step,
-                mode=options.mode, rng=self.rng, mu_claimed=1.0 / sigma, sentinels=self.sentinels, noise_std=sigma * C,
-            )
-        names = layer_names(params, self.model, self.optimizer)
-        return GradientCanaries(
-            self.sampler, self.probe, layer_names=names, layer_claims={i: float(c / (sigma * C)) for i, c in enumerate(clip)},
-            sentinels=self.sentinels, noise_std=sigma * C,
-        )
-
     def detach(self) -> None:
         """Restore the optimizer exactly as it was before the auditor attached."""
         if getattr(self.optimizer, "_dpaudit_auditor", None) is not self:
@@ -177,6 +140,19 @@ class PrivacyAuditor:
     @property
     def steps(self) -> int:
         return self.pipeline.steps
+
+    @property
+    def probe(self):
+        """The pool reader the kind and the path share (probe.GradientProbe)."""
+        return self.kind.probe
+
+    @property
+    def sampler(self):
+        return getattr(self.kind, "sampler", None)
+
+    @property
+    def input_probe(self):
+        return getattr(self.kind, "input_probe", None)
 
     @property
     def per_step(self) -> int:
@@ -269,20 +245,3 @@ class PrivacyAuditor:
         self.kind.load_state_dict(state)
         self.record.load_state_dict(state)
         self.pipeline.steps = int(state["steps"])
-
-
-def find_accountant(optimizer):
-    """The Opacus accountant whose hook make_private attached, if any."""
-    from opacus.accountants.accountant import IAccountant
-
-    for cell in getattr(optimizer.step_hook, "__closure__", None) or ():
-        if isinstance(cell.cell_contents, IAccountant):
-            return cell.cell_contents
-    return None
-
-
-def sentinel_positions(pool_size: int):
-    """SENTINELS pool positions spread evenly over the pool (None when the pool is too small)."""
-    if pool_size < SENTINELS:
-        return None
-    return np.linspace(0, pool_size - 1, SENTINELS).astype(int)

@@ -143,6 +143,31 @@ def validate(
     )
 
 
+@dataclass(frozen=True)
+class Mechanism:
+    """The audited optimizer's parameters, clipping bounds (one per tensor) and noise multiplier.
+
+    The noise on each coordinate has standard deviation noise_multiplier * max_grad_norm;
+    a canary in tensor l, clipped to C_l, is therefore C_l / (sigma C)-GDP per step.
+    """
+
+    params: list
+    clip_bounds: "np.ndarray"
+    per_layer: bool
+    noise_multiplier: float
+    max_grad_norm: float
+
+    @classmethod
+    def of(cls, optimizer) -> "Mechanism":
+        import numpy as np
+
+        params = list(optimizer.params)
+        per_layer = hasattr(optimizer, "max_grad_norms")
+        bounds = optimizer.max_grad_norms if per_layer else [optimizer.max_grad_norm] * len(params)
+        return cls(params, np.array(bounds, dtype=float), per_layer, float(optimizer.noise_multiplier),
+                   float(optimizer.max_grad_norm))
+
+
 def check_claim(optimizer) -> None:
     """The optimizer's noise multiplier and clipping bound(s) must make a privacy claim to audit."""
     sigma = optimizer.noise_multiplier
@@ -179,3 +204,13 @@ def auto_canaries(canary, parameters: int, support: int) -> int:
         return DEFAULT_INPUT_CANARIES
     width = 1 if canary == "dirac" else int(support)
     return max(2, min(DEFAULT_GRADIENT_CANARIES, parameters // (2 * width)) // 2 * 2)
+
+
+def find_accountant(optimizer):
+    """The Opacus accountant whose hook make_private attached, if any."""
+    from opacus.accountants.accountant import IAccountant
+
+    for cell in getattr(optimizer.step_hook, "__closure__", None) or ():
+        if isinstance(cell.cell_contents, IAccountant):
+            return cell.cell_contents
+    return None

@@ -24,13 +24,13 @@ class AuditStateError(ValueError):
     """A saved audit state that does not belong to this auditor, or is damaged."""
 
 
-def setup_of(params, clip_bounds, per_layer: bool, noise_multiplier: float, options) -> dict:
-    """The set-up a state is taken on, in plain values."""
+def setup_of(mechanism, options) -> dict:
+    """The set-up a state is taken on (an options.Mechanism and AuditOptions), in plain values."""
     return {
-        "shapes": [list(p.shape) for p in params],
-        "clipping": "per_layer" if per_layer else "flat",
-        "max_grad_norms": [float(c) for c in clip_bounds],
-        "noise_multiplier": float(noise_multiplier),
+        "shapes": [list(p.shape) for p in mechanism.params],
+        "clipping": "per_layer" if mechanism.per_layer else "flat",
+        "max_grad_norms": [float(c) for c in mechanism.clip_bounds],
+        "noise_multiplier": float(mechanism.noise_multiplier),
         "canary": options.kind,
         "input": bool(options.input),
         "canaries_per_step": int(options.canaries_per_step),

@@ -1,1 +1,46 @@
-"""Canary kinds: gradient canaries (kinds.gradient) and input canaries (kinds.input), one interface (kinds.base)."""
+"""Canary kinds, one interface (kinds.base), chosen in one place (`canary_kind_for`):
+
+    dirac, constant, random                          GradientCanaries (kinds.gradient)
+    mislabeled, blank, adversarial, crafted          InputCanaryKind  (kinds.input)
+"""
+
+from __future__ import annotations
+
+from ..names import layer_names
+from ..probe import GradientProbe
+from .base import sentinel_positions
+from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
+from .gradient import GradientCanaries
+from .input import InputCanaryKind
+from .input_canaries import INPUT_KINDS
+from .input_probe import InputProbe
+
+ALL_KIND_NAMES = KINDS + INPUT_KINDS
+
+
+def canary_kind_for(optimizer, mechanism, options, model, rng):
+    """The canary kind of `options`, with the pool reader it shares with the release path."""
+    params, clip = mechanism.params, mechanism.clip_bounds
+    sigma, C = mechanism.noise_multiplier, mechanism.max_grad_norm
+    sizes = [p.numel() for p in params]
+    if options.input:
+        probe = GradientProbe(params, choose_pool(sizes, DEFAULT_POOL, rng), clip, options.canary_scale)
+        input_probe = InputProbe(
+            params, model, options.canary, clip, per_layer=mechanism.per_layer, max_grad_norm=C,
+            loss_reduction=optimizer.loss_reduction, pool=probe.pool,
+        )
+        options.canary.options["norm_floor"] = C
+        return InputCanaryKind(
+            options.canary, input_probe, probe, model=model, per_step=options.canaries_per_step, mode=options.mode,
+            rng=rng, mu_claimed=1.0 / sigma, sentinels=sentinel_positions(len(probe.pool)), noise_std=sigma * C,
+        )
+    sampler = CanarySampler(
+        sizes, kind=options.canary, per_step=options.canaries_per_step, moving=options.moving, support=options.support,
+        rng=rng,
+    )
+    probe = GradientProbe(params, sampler.pool, clip, options.canary_scale)
+    return GradientCanaries(
+        sampler, probe, layer_names=layer_names(params, model, optimizer),
+        layer_claims={i: float(c / (sigma * C)) for i, c in enumerate(clip)},
+        sentinels=sentinel_positions(len(probe.pool)), noise_std=sigma * C,
+    )

@@ -15,6 +15,8 @@ from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from ...analysis.record import SENTINELS
+
 Array = Union[np.ndarray, torch.Tensor]
 
 
@@ -87,3 +89,10 @@ def sentinel_noise(view: ReleaseView, sentinels, noise_std: float) -> Optional[A
         return None
     noise = view.centered if view.added is None else view.centered - view.added
     return noise[sentinels] / noise_std
+
+
+def sentinel_positions(pool_size: int):
+    """SENTINELS pool positions spread evenly over the pool (None when the pool is too small)."""
+    if pool_size < SENTINELS:
+        return None
+    return np.linspace(0, pool_size - 1, SENTINELS).astype(int)

@@ -25,7 +25,7 @@ class InputCanaryKind:
     def __init__(self, spec: InputCanaries, input_probe: InputProbe, pool: GradientProbe, *, model, per_step, mode, rng,
                  mu_claimed, sentinels, noise_std):
         self.name = spec.kind
-        self.spec, self.input_probe, self.pool = spec, input_probe, pool
+        self.spec, self.input_probe, self.probe = spec, input_probe, pool
         self.model, self.per_step, self.mode, self.rng = model, per_step, mode, rng
         self.layer_names, self.layer_claims = [ALL_LAYERS], {0: mu_claimed}
         self.sentinels, self.noise_std = sentinels, float(noise_std)
@@ -58,7 +58,7 @@ class InputCanaryKind:
         return {
             "sampler": {"rng": self.rng.bit_generator.state},
             "input_canaries": saved,
-            "pool": [p.cpu().numpy() for p in self.pool.pool_local],
+            "pool": [p.cpu().numpy() for p in self.probe.pool_local],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -68,4 +68,4 @@ class InputCanaryKind:
             self.spec.x, self.spec.y = torch.as_tensor(saved["x"]), torch.as_tensor(saved["y"])
             self.spec.builds = int(saved["builds"])
         if "pool" in state:
-            self.pool.set_pool(state["pool"])
+            self.probe.set_pool(state["pool"])
