@@ -99,9 +99,11 @@ class AuditRecord:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore each part; a part that cannot be read raises ValueError naming it."""
         self.alerted = bool(state.get("alerted", False))
-        if "fingerprints" in state:
-            self.fingerprints.load_state_dict(state["fingerprints"])
-        self.log.load_state_dict(state["log"])
-        self.monitor.load_state_dict(state["monitor"])
+        for field, part in (("fingerprints", self.fingerprints), ("log", self.log), ("monitor", self.monitor)):
+            try:
+                part.load_state_dict(state[field])
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+                raise ValueError(f"`{field}`: {type(error).__name__}: {error}") from error
         self.problems = [Finding(str(c), str(m), first_step=int(s)) for c, m, s in state.get("problems", [])]

@@ -239,9 +239,12 @@ class PrivacyAuditor:
             self._load(state)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             self._load(saved)
-            raise AuditStateError(f"the audit state is damaged ({type(error).__name__}: {error}); start a new audit") from None
+            raise AuditStateError(f"the audit state is damaged ({error}); start a new audit") from None
 
     def _load(self, state: dict) -> None:
-        self.kind.load_state_dict(state)
+        try:
+            self.kind.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+            raise ValueError(f"`sampler` or `pool`: {type(error).__name__}: {error}") from error
         self.record.load_state_dict(state)
         self.pipeline.steps = int(state["steps"])
