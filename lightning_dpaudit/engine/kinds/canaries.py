@@ -24,6 +24,7 @@ import numpy as np
 
 KINDS = ("dirac", "constant", "random")
 DEFAULT_POOL = 8192
+BLOCK = 32  # steps of canaries drawn at once
 
 
 @dataclass(frozen=True)
@@ -109,52 +110,67 @@ class CanarySampler:
         self._static = None
         self._order = [np.zeros(0, dtype=int) for _ in self.pool]  # per tensor: pool positions still to visit
         self._layout = np.repeat(np.arange(len(self.quota)), self.quota)
+        self._block: list = []  # drawn steps not yet handed out
+        self._block_all_in = False
 
     @property
     def pool_size(self) -> int:
         return int(self.pool_offsets[-1])
 
     def next_step(self, *, all_in: bool = False) -> StepCanaries:
-        """Canaries for the next noised step: half in, half out unless all_in."""
-        if self.moving or self._static is None:
-            placed = self._place()
-            if not self.moving:
-                self._static = placed
-        else:
-            placed = self._static
-        tensor, positions = placed
-        k = len(tensor)
-        if all_in:
-            is_in = np.ones(k, dtype=bool)
-        else:
-            is_in = np.zeros(k, dtype=bool)
-            is_in[self.rng.permutation(k)[: k // 2]] = True
-        return StepCanaries(tensor, self._pool_local[positions], positions, self._weights(k), is_in)
+        """Canaries for the next noised step: half in, half out unless all_in.
 
-    def _place(self):
-        """(tensor of each canary, its pool positions), distinct within each tensor.
-
-        Each tensor walks through a random permutation of its pool, reshuffled when used
-        up, so moving canaries visit every pool coordinate before revisiting one.
+        Steps are drawn BLOCK at a time (one vectorized draw) and handed out one by one.
         """
-        positions = []
-        for t, q in enumerate(self.quota):
-            take = q * self.support
-            if take == 0:
-                continue
-            if len(self._order[t]) < take:
-                lo, hi = self.pool_offsets[t], self.pool_offsets[t + 1]
-                self._order[t] = lo + self.rng.permutation(hi - lo)
-            positions.append(self._order[t][:take].reshape(q, self.support))
-            self._order[t] = self._order[t][take:]
-        return self._layout, np.concatenate(positions)
+        if not self._block or self._block_all_in != all_in:
+            self._block = self._draw_block(BLOCK, all_in)
+            self._block_all_in = all_in
+        positions, weights, is_in = self._block.pop(0)
+        return StepCanaries(self._layout, self._pool_local[positions], positions, weights, is_in)
 
-    def _weights(self, k: int) -> np.ndarray:
-        if self.kind == "random":
-            w = self.rng.standard_normal((k, self.support))
+    def _draw_block(self, steps: int, all_in: bool) -> list:
+        """(positions, weights, is_in) for `steps` steps: placements, then in/out, then directions."""
+        k = len(self._layout)
+        if self.moving or self._static is None:
+            placed = np.concatenate([self._take(t, q, steps) for t, q in enumerate(self.quota) if q], axis=1)
+            if not self.moving:
+                self._static = placed[0]
+                placed = np.broadcast_to(self._static, (steps, *self._static.shape))
         else:
-            w = np.ones((k, self.support))
-        return w / np.linalg.norm(w, axis=1, keepdims=True)
+            placed = np.broadcast_to(self._static, (steps, *self._static.shape))
+        is_in = np.ones((steps, k), dtype=bool)
+        if not all_in:
+            ranks = np.argsort(self.rng.random((steps, k)), axis=1)
+            is_in[:] = False
+            np.put_along_axis(is_in, ranks[:, : k // 2], True, axis=1)
+        if self.kind == "random":
+            w = self.rng.standard_normal((steps, k, self.support))
+            w /= np.linalg.norm(w, axis=2, keepdims=True)
+        else:
+            w = np.full((steps, k, self.support), 1.0 / np.sqrt(self.support))
+        return [(np.array(placed[i]), w[i], is_in[i]) for i in range(steps)]
+
+    def _take(self, t: int, q: int, steps: int) -> np.ndarray:
+        """(steps, q, support) pool positions of tensor t, distinct within each step.
+
+        The tensor walks through random permutations of its pool, a fresh one when fewer
+        than a step's positions are left, so moving canaries visit every pool coordinate
+        before revisiting one.
+        """
+        take = q * self.support
+        order = self._order[t]
+        usable = min(len(order) // take, steps)
+        parts = [order[: usable * take].reshape(usable, take)]
+        order = order[usable * take :]
+        need = steps - usable
+        if need:
+            lo, hi = self.pool_offsets[t], self.pool_offsets[t + 1]
+            per_perm = (hi - lo) // take
+            perms = lo + np.argsort(self.rng.random((-(-need // per_perm), hi - lo)), axis=1)
+            parts.append(perms[:, : per_perm * take].reshape(-1, take)[:need])
+            order = perms[-1, (need - (len(perms) - 1) * per_perm) * take :]
+        self._order[t] = order
+        return np.concatenate(parts).reshape(steps, q, self.support)
 
     def state_dict(self) -> dict:
         return {
@@ -162,13 +178,21 @@ class CanarySampler:
             "static": self._static,
             "pool": [p.copy() for p in self.pool],
             "order": [o.copy() for o in self._order],
+            "block": [[p.copy(), w.copy(), i.copy()] for p, w, i in self._block],
+            "block_all_in": self._block_all_in,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["rng"]
-        self._static = state.get("static")
+        static = state.get("static")
+        if isinstance(static, (list, tuple)) and len(static) == 2:  # 0.1.0 saved (tensor of each canary, positions)
+            static = np.asarray(static[1], dtype=int)
+        self._static = static
         if "pool" in state:
             self.pool = [np.asarray(p) for p in state["pool"]]
             self._pool_local = np.concatenate(self.pool)
         if "order" in state:
             self._order = [np.asarray(o, dtype=int) for o in state["order"]]
+        self._block = [(np.asarray(p, dtype=int), np.asarray(w, dtype=float), np.asarray(i, dtype=bool))
+                       for p, w, i in state.get("block", [])]  # a state of 0.1.0 has none: the next step draws
+        self._block_all_in = bool(state.get("block_all_in", False))
