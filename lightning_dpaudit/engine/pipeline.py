@@ -39,12 +39,16 @@ class StepPipeline:
             self.steps += 1
             return
         step, kind = self.steps, self.kind
-        planted = kind.plant(step, all_in=self.paired)
-        self.path.release(
-            planted, step=step, paired=self.paired,
-            read=lambda view: self.readings.add(step, kind.read(planted, view)),
-            done=self._end_step,
-        )
+        try:
+            planted = kind.plant(step, all_in=self.paired)
+            self.path.release(
+                planted, step=step, paired=self.paired,
+                read=lambda view: self.readings.add(step, kind.read(planted, view)),
+                done=self._end_step,
+            )
+        except BaseException:
+            kind.finish_step()  # nothing of a failed step is kept (input canaries' gradients)
+            raise
 
     def _end_step(self) -> None:
         self.kind.finish_step()

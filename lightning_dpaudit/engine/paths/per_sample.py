@@ -45,20 +45,26 @@ class PerSampleRelease(LocalChecks):
     def release(self, planted: Planted, *, step: int, paired: bool, read, done) -> None:
         params = self.probe.params
         data = [p.summed_grad for p in params]
-        if not paired:
-            added = self.release_with(planted.rows(planted.is_in))
-            read(self.view(data, added, planted.is_in, own=True))
-            added.remove_from([p.grad for p in params])
-        else:
-            self.add_noise()
-            released = [p.grad for p in params]  # add_noise assigns new tensors: these stay as they are
-            read(self.view(data, None, no_canaries(len(planted.is_in)), own=True))
-            every = np.ones(len(planted.is_in), dtype=bool)
-            added = self.release_with(planted.rows(every))
-            read(self.view(data, added, every, own=False))
-            for p, r in zip(params, released):
-                p.grad = r
-        restore_data_sum(params, data)
+        try:
+            if not paired:
+                added = self.release_with(planted.rows(planted.is_in))
+                try:
+                    read(self.view(data, added, planted.is_in, own=True))
+                finally:  # the update is the un-audited one even if the reading fails
+                    added.remove_from([p.grad for p in params])
+            else:
+                self.add_noise()
+                released = [p.grad for p in params]  # add_noise assigns new tensors: these stay as they are
+                try:
+                    read(self.view(data, None, no_canaries(len(planted.is_in)), own=True))
+                    every = np.ones(len(planted.is_in), dtype=bool)
+                    added = self.release_with(planted.rows(every))
+                    read(self.view(data, added, every, own=False))
+                finally:
+                    for p, r in zip(params, released):
+                        p.grad = r
+        finally:
+            restore_data_sum(params, data)
         done()
 
     def view(self, data, added, is_in, *, own: bool) -> ReleaseView:
@@ -73,11 +79,13 @@ class PerSampleRelease(LocalChecks):
         params = self.probe.params
         added = self.probe.clip(self.optimizer, *rows_and_columns)
         added.enter(params)
-        self.add_noise()
-        for p in params:  # a release that is a view of summed_grad (a rank without noise) keeps its canaries
-            if p.grad.data_ptr() == p.summed_grad.data_ptr():
-                p.grad = p.grad.clone()
-        added.leave(params)
+        try:
+            self.add_noise()
+            for p in params:  # a release that is a view of summed_grad (a rank without noise) keeps its canaries
+                if p.grad.data_ptr() == p.summed_grad.data_ptr():
+                    p.grad = p.grad.clone()
+        finally:  # summed_grad is the data's own again, whatever add_noise did
+            added.leave(params)
         return added
 
 
