@@ -263,9 +263,20 @@ def test_bad_setups_fail_before_training(tmp_path):
         DPAuditCallback(log_every_n_steps=0)
 
 
-def test_state_key_distinguishes_settings():
-    assert DPAuditCallback(canary="dirac").state_key != DPAuditCallback(canary="random").state_key
+def test_state_key_is_one_for_all_settings_and_a_changed_setting_fails_the_resume_by_name(tmp_path):
+    # A key that changed with the options dropped the audit's state silently on resume (the audit
+    # restarted at step 0); now the state is always found and a changed setting is named.
+    assert DPAuditCallback(canary="dirac").state_key == DPAuditCallback().state_key == DPAuditCallback(canary="random").state_key
     assert math.isfinite(DPAuditCallback().log_every_n_steps)
+    first = _fit(tmp_path / "a", steps=4, callback=DPAuditCallback(seed=0))
+    first.save_checkpoint(tmp_path / "a.ckpt")
+    same = DPAuditCallback(canary="dirac", seed=0)  # the default, written out
+    _fit(tmp_path / "b", steps=8, callback=same, ckpt_path=tmp_path / "a.ckpt")
+    assert same.auditor is not None and same.auditor.result().steps == 8
+    changed = DPAuditCallback(canary="random", seed=0)
+    with pytest.raises(ValueError, match=r"saved on another set-up: canary \(saved 'dirac', here 'random'\).*start a new audit"):
+        _fit(tmp_path / "c", steps=8, callback=changed, ckpt_path=tmp_path / "a.ckpt")
+    assert changed.auditor is None  # refused at fit start, before any step
 
 
 # ------------------------------------------------------------------ input canaries
@@ -287,7 +298,7 @@ def test_input_canaries_under_the_trainer(tmp_path):
     _fit(tmp_path, steps=20, callback=callback, module=PrivateWithForward(), logger=CSVLogger(tmp_path))
     result = callback.auditor.result()
     assert result.canary == "mislabeled" and result.steps == 20 and result.n_in > 0 and not result.violation
-    assert callback.state_key.startswith("DPAuditCallback{'canary': 'mislabeled'")
+    assert callback.auditor.state_dict()["setup"]["canary"] == "mislabeled"  # what a resume is checked against
     # the Lightning pattern hooks the module in place; without a forward the callback says so before training
     with pytest.raises(ValueError, match="cannot take canary inputs"):
         _fit(tmp_path, steps=2, callback=DPAuditCallback(canary="blank", canary_inputs=inputs, canary_labels=labels))

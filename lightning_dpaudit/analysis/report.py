@@ -240,12 +240,60 @@ def write_report(
     return json_path, png_path
 
 
+class ReportError(ValueError):
+    """A file that is not a readable audit report."""
+
+
+_COUNTS = ("steps", "n_in", "n_out")
+_NUMBERS = ("epsilon_lower_bound", "epsilon_accountant", "mu_lower_bound", "mu_claimed", "delta", "confidence")
+
+
 def load_report(directory) -> dict:
-    """Read directory/audit_report.json back as a dict."""
+    """Read directory/audit_report.json back as a dict; ReportError (one line naming the file and
+    what is wrong) for a damaged or foreign file."""
     path = Path(directory) / JSON_NAME
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no audit report at {path} (write one with write_report)")
-    return json.loads(path.read_text())
+    if not path.is_file():
+        raise ReportError(f"{path} is not a file")
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ReportError(f"{path} is not a text file: not an audit report") from None
+    except json.JSONDecodeError as error:
+        raise ReportError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}): damaged or truncated") from None
+    check_report(report, path)
+    return report
+
+
+def check_report(report, path) -> None:
+    """The fields the summary reads, with their types and ranges."""
+    if not isinstance(report, dict) or not isinstance(report.get("result"), dict):
+        raise ReportError(f"{path} has no `result` record: not an audit report of lightning_dpaudit")
+    r = report["result"]
+    missing = [k for k in ("violation", "violating_layers", *_COUNTS, *_NUMBERS) if k not in r]
+    if missing:
+        raise ReportError(f"{path}: the result lacks {', '.join(missing)}: not an audit report, or a damaged one")
+    if not isinstance(r["violation"], bool):
+        raise ReportError(f"{path}: `violation` is {r['violation']!r}; expected true or false")
+    layers = r["violating_layers"]
+    if not isinstance(layers, list) or not all(isinstance(x, str) for x in layers):
+        raise ReportError(f"{path}: `violating_layers` is {layers!r}; expected a list of names")
+    for key in _COUNTS:
+        v = r[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ReportError(f"{path}: `{key}` is {v!r}; expected a whole number >= 0")
+    first = r.get("first_violation_step")
+    if first is not None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
+        raise ReportError(f"{path}: `first_violation_step` is {first!r}; expected a step number or null")
+    for key in _NUMBERS:
+        v = r[key]
+        if v is None:  # a number that was not available (nan is written as null)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)) or (isinstance(v, str) and v not in ("inf", "-inf", "nan")):
+            raise ReportError(f"{path}: `{key}` is {v!r}; expected a number")
+        if _num(v) < 0:
+            raise ReportError(f"{path}: `{key}` is {v!r}; it cannot be negative")
 
 
 def _f(x, digits: int = 3) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,17 +58,62 @@ def _demo(args) -> int:
 
 
 def _report(args) -> int:
-    from ..analysis.report import load_report, summary_table
+    from ..analysis.report import ReportError, load_report, summary_table
 
     directory = Path(args.directory)
+    if not directory.is_dir():
+        print(f"dpaudit report: {directory} is not a directory", file=sys.stderr)
+        return 2
     reports = sorted(directory.rglob("audit_report.json"), key=lambda p: p.stat().st_mtime)
     if not reports:
         print(f"no audit_report.json in {directory} or below it", file=sys.stderr)
         return 1
     latest = reports[-1].parent  # the most recent audit at or below the directory
+    try:
+        report = load_report(latest)
+    except ReportError as error:
+        print(f"dpaudit report: {error}", file=sys.stderr)
+        return 1
     print(f"audit report in {latest}")
-    print(summary_table(load_report(latest)))
+    print(summary_table(report))
     return 0
+
+
+def _at_least(minimum: int):
+    """An argparse type: an integer >= minimum (argparse prints the usage error and exits with 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}; use an integer >= {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _positive_real(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
+def _output_directory(text: str) -> str:
+    """A directory that exists or can be made (refused before any training)."""
+    path = Path(text)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{existing} exists and is not a directory")
+    if existing is not None and not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{existing} is not writable")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,24 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small CNN on the bundled digits with Opacus and audit it")
     demo.add_argument(
-        "--steps", type=int, default=None,
+        "--steps", type=_at_least(1), default=None,
         help="optimizer steps at batch 256 (default 600; for input canaries the kind's own, see --canary)",
     )
-    demo.add_argument("--noise-multiplier", type=float, default=3.0, help="Opacus noise multiplier (default 3.0)")
+    demo.add_argument("--noise-multiplier", type=_positive_real, default=3.0, help="Opacus noise multiplier (default 3.0)")
     demo.add_argument(
         "--canary", default="dirac", choices=[*GRADIENT_CANARIES, *INPUT_CANARIES],
         help="gradient canaries (default dirac) or input canaries made from the digits held out from training; "
         "each kind has its own count and steps, printed at the start",
     )
-    demo.add_argument("--canaries", type=int, default=None, help="canaries per step (default: as chosen for the kind)")
+    demo.add_argument("--canaries", type=_at_least(2), default=None, help="canaries per step (default: as chosen for the kind)")
     demo.add_argument("--bug", default=None, help="swap in a broken optimizer from the bug zoo (see --list-bugs)")
     demo.add_argument("--list-bugs", action="store_true", help="list the bug zoo and exit")
     demo.add_argument("--no-audit", action="store_true", help="train identically without the audit (baseline)")
-    demo.add_argument("--out", default="dpaudit_runs", help="where TensorBoard logs and the report go")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", type=_output_directory, default="dpaudit_runs", help="where TensorBoard logs and the report go")
+    demo.add_argument("--seed", type=_at_least(0), default=0)
     demo.add_argument("--no-progress-bar", action="store_true")
     demo.add_argument(
-        "--threads", type=int, default=None,
+        "--threads", type=_at_least(1), default=None,
         help="torch intra-op threads (default: torch's choice); 1 is much faster when other work shares the cores",
     )
     demo.set_defaults(run=_demo)

@@ -9,6 +9,7 @@ anytime-valid alarm fires, and writes audit_report.json/.png at the end of fit.
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -21,6 +22,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ..engine.auditor import PrivacyAuditor
+from ..engine.options import check_accountant, flag, integer, one_argument_callable, real
 from ..analysis.monitor import POOLED
 from .budget import TimeBudget
 from ..analysis.results import AuditResult, violation_message
@@ -62,19 +64,25 @@ class DPAuditCallback(Callback):
         checkpoint_noise_generator: bool = False,
         **auditor_options,
     ):
-        if not (callable(alert) or alert in ALERTS):
+        if callable(alert):
+            one_argument_callable("alert", alert)
+        elif alert not in ALERTS:
             raise ValueError(f"Unexpected value for `alert`: {alert!r}; use one of {', '.join(ALERTS)} or a callable")
-        if int(log_every_n_steps) <= 0:
-            raise ValueError(f"Unexpected value for `log_every_n_steps`: {log_every_n_steps}; it must be >= 1")
-        if not 0.0 < float(logging_budget) <= 1.0:
-            raise ValueError(f"Unexpected value for `logging_budget`: {logging_budget}; it must lie in (0, 1]")
+        unknown = sorted(set(auditor_options) - set(inspect.signature(PrivacyAuditor).parameters) - {"optimizer"})
+        if unknown or "optimizer" in auditor_options:
+            raise ValueError(
+                f"Unexpected option(s) for DPAuditCallback: {', '.join(unknown) or 'optimizer'}; it takes alert, "
+                "log_every_n_steps, accountant, optimizer, report, logging_budget, checkpoint_noise_generator and "
+                "PrivacyAuditor's options"
+            )
+        check_accountant(accountant)
         self.alert = alert
-        self.log_every_n_steps = int(log_every_n_steps)
-        self.budget = TimeBudget(float(logging_budget))
+        self.log_every_n_steps = integer("log_every_n_steps", log_every_n_steps, 1)
+        self.budget = TimeBudget(real("logging_budget", logging_budget, low=0.0, high=1.0, high_open=False))
         self.accountant = accountant
         self.optimizer = optimizer
-        self.report = report
-        self.checkpoint_noise_generator = bool(checkpoint_noise_generator)
+        self.report = flag("report", report)
+        self.checkpoint_noise_generator = flag("checkpoint_noise_generator", checkpoint_noise_generator)
         self._warned_generator = False
         self.auditor_options = auditor_options
         self.auditor: Optional[PrivacyAuditor] = None
@@ -85,9 +93,17 @@ class DPAuditCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        options = {k: self.auditor_options.get(k) for k in ("canary", "mode", "canaries_per_step", "estimator")}
-        options["canary"] = getattr(options["canary"], "kind", options["canary"])  # an InputCanaries object
-        return self._generate_state_key(**options)
+        """One key whatever the options: a run has one audit, and a resume with other settings must
+        be told so by name (the auditor's state records its set-up) rather than start over silently."""
+        return "DPAuditCallback"
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Pick up the state of a checkpoint written under version 0.1.0's option-dependent key."""
+        states = checkpoint.get("callbacks", {})
+        if self.state_key not in states:
+            legacy = [key for key in states if isinstance(key, str) and key.startswith("DPAuditCallback{")]
+            if len(legacy) == 1:
+                self.load_state_dict(states[legacy[0]])
 
     # ------------------------------------------------------------------ set-up
 
@@ -102,9 +118,19 @@ class DPAuditCallback(Callback):
             optimizer, accountant=accountant, module=module, on_violation=self._on_violation, **options
         )
         if self._pending_state is not None:
-            self._restore(self._pending_state)
+            try:
+                self._restore(self._pending_state)
+            except Exception:
+                self.auditor.detach()  # the resumed fit stops here, with the optimizer as it was
+                self.auditor = None
+                raise
             self._pending_state = None
         self._add_chart_layout(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Leave the optimizer as it was, whatever ended the fit (PrivacyViolationError included)."""
+        if self.auditor is not None:
+            self.auditor.detach()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.auditor is not None and trainer.world_size > 1:
