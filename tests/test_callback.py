@@ -302,3 +302,38 @@ def test_input_canaries_under_the_trainer(tmp_path):
     # the Lightning pattern hooks the module in place; without a forward the callback says so before training
     with pytest.raises(ValueError, match="cannot take canary inputs"):
         _fit(tmp_path, steps=2, callback=DPAuditCallback(canary="blank", canary_inputs=inputs, canary_labels=labels))
+
+
+def test_a_raised_alert_leaves_an_optimizer_built_before_the_trainer_as_it_was(tmp_path):
+    from lightning_dpaudit import PrivacyViolationError
+    from lightning_dpaudit.bugs import inject_bug
+
+    model = DigitsCNN()
+    loader = Digits().train_dataloader()
+    model, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.2), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    inject_bug(optimizer, "no-noise")
+
+    class Wrapped(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return optimizer
+
+    def fit(callback):
+        pl.Trainer(max_steps=10, callbacks=[callback], logger=False, enable_progress_bar=False,
+                   enable_checkpointing=False, default_root_dir=tmp_path).fit(Wrapped(), train_dataloaders=loader)
+
+    with pytest.raises(PrivacyViolationError):
+        fit(DPAuditCallback(alert="raise", seed=0, report=False))
+    assert not hasattr(optimizer, "_dpaudit_auditor") and "add_noise" not in vars(optimizer)
+    again = DPAuditCallback(alert=lambda result: None, seed=0, report=False)
+    fit(again)  # not "already attached"
+    assert again.auditor.steps == 10

@@ -68,10 +68,12 @@ class DPAuditCallback(Callback):
             one_argument_callable("alert", alert)
         elif alert not in ALERTS:
             raise ValueError(f"Unexpected value for `alert`: {alert!r}; use one of {', '.join(ALERTS)} or a callable")
-        unknown = sorted(set(auditor_options) - set(inspect.signature(PrivacyAuditor).parameters) - {"optimizer"})
-        if unknown or "optimizer" in auditor_options:
+        if "on_violation" in auditor_options:
+            raise ValueError("Unexpected option(s) for DPAuditCallback: on_violation; use `alert` (a callable is called with the AuditResult)")
+        unknown = sorted(set(auditor_options) - set(inspect.signature(PrivacyAuditor).parameters))
+        if unknown:
             raise ValueError(
-                f"Unexpected option(s) for DPAuditCallback: {', '.join(unknown) or 'optimizer'}; it takes alert, "
+                f"Unexpected option(s) for DPAuditCallback: {', '.join(unknown)}; it takes alert, "
                 "log_every_n_steps, accountant, optimizer, report, logging_budget, checkpoint_noise_generator and "
                 "PrivacyAuditor's options"
             )

@@ -1,0 +1,400 @@
+"""Bad input across the public surface: each is refused before any training step or output, with an
+error of the documented type whose message names the value and what is allowed, and the optimizer
+is left as it was. The CLI answers with one line on stderr and a non-zero exit status."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from lightning_dpaudit import DPAuditCallback
+from lightning_dpaudit.analysis.report import ReportError, load_report
+from lightning_dpaudit.app.cli import main
+
+# ---- the `dpaudit` command
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--steps", "0"], r"--steps: 0 is below 1"),
+    (["demo", "--steps", "-1"], r"--steps: -1 is below 1"),
+    (["demo", "--steps", "2.7"], r"--steps: '2.7' is not an integer"),
+    (["demo", "--canaries", "0"], r"--canaries: 0 is below 2"),
+    (["demo", "--canaries", "-5"], r"--canaries: -5 is below 2"),
+    (["demo", "--threads", "0"], r"--threads: 0 is below 1"),
+    (["demo", "--threads", "-2"], r"--threads: -2 is below 1"),
+    (["demo", "--seed", "-1"], r"--seed: -1 is below 0"),
+    (["demo", "--noise-multiplier", "0"], r"--noise-multiplier: 0 must be a finite number > 0"),
+    (["demo", "--noise-multiplier", "nan"], r"--noise-multiplier: nan must be a finite number > 0"),
+    (["demo", "--canary", "diracc"], r"--canary: invalid choice: 'diracc'"),
+    (["demo", "--bogus"], r"unrecognized arguments: --bogus"),
+    (["nothing"], r"invalid choice: 'nothing'"),
+    ([], r"the following arguments are required: command"),
+])
+def test_cli_refuses_bad_arguments_before_training(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code != 0
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_cli_refuses_an_output_path_that_cannot_be_a_directory(tmp_path, capsys):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "below"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["demo", "--out", str(out)])
+        assert exit_.value.code != 0
+        assert f"{blocker} exists and is not a directory" in capsys.readouterr().err
+
+
+def test_cli_refuses_an_unknown_bug(capsys):
+    assert main(["demo", "--bug", "no-such-bug"]) != 0
+    assert "unknown bug 'no-such-bug'" in capsys.readouterr().err
+
+
+_GOOD = {
+    "violation": False, "violating_layers": [], "steps": 10, "n_in": 5, "n_out": 5, "epsilon_lower_bound": 0.5,
+    "epsilon_accountant": 1.0, "mu_lower_bound": 0.3, "mu_claimed": 1.0, "delta": 1e-5, "confidence": 0.95,
+    "first_violation_step": None,
+}
+
+_DAMAGED = [
+    ("", r"not valid JSON .* damaged or truncated"),
+    ('{"result": {"violation": fal', r"not valid JSON"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", r"not a text file"),
+    ('{"name": "x", "version": "1"}', r"no `result` record: not an audit report"),
+    ("[1, 2]", r"no `result` record"),
+    ('{"result": {"violation": "no", "violating_layers": "pooled"}}', r"the result lacks steps"),
+    (json.dumps({"result": {**_GOOD, "violation": "no"}}), r"`violation` is 'no'; expected true or false"),
+    (json.dumps({"result": {**_GOOD, "violating_layers": "pooled"}}), r"`violating_layers` is 'pooled'; expected a list"),
+    (json.dumps({"result": {**_GOOD, "n_in": -106}}), r"`n_in` is -106; expected a whole number >= 0"),
+    (json.dumps({"result": {**_GOOD, "steps": 2.5}}), r"`steps` is 2.5"),
+    (json.dumps({"result": {**_GOOD, "epsilon_lower_bound": -3.2}}), r"`epsilon_lower_bound` is -3.2; it cannot be negative"),
+    (json.dumps({"result": {**_GOOD, "mu_claimed": "lots"}}), r"`mu_claimed` is 'lots'; expected a number"),
+    (json.dumps({"result": {**_GOOD, "first_violation_step": "soon"}}), r"`first_violation_step` is 'soon'"),
+]
+
+
+@pytest.mark.parametrize("content,message", _DAMAGED)
+def test_a_damaged_or_foreign_report_is_refused_in_one_line(tmp_path, content, message, capsys):
+    path = tmp_path / "audit_report.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ReportError, match=message):
+        load_report(tmp_path)
+    assert main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr()
+    assert err.out == "" and len(err.err.strip().splitlines()) == 1 and str(path) in err.err
+
+
+def test_report_reading_refuses_a_directory_named_like_the_report_and_a_missing_folder(tmp_path, capsys):
+    (tmp_path / "audit_report.json").mkdir()
+    with pytest.raises(ReportError, match=r"is not a file"):
+        load_report(tmp_path)
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_good_report_still_reads(tmp_path, capsys):
+    (tmp_path / "audit_report.json").write_text(json.dumps({"result": _GOOD}))
+    assert main(["report", str(tmp_path)]) == 0
+    assert "OK: no leak beyond the claim detected" in capsys.readouterr().out
+
+
+# ---- DPAuditCallback's options
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"alert": "email"}, r"`alert`: 'email'; use one of warn, raise, stop or a callable"),
+    ({"alert": 5}, r"`alert`: 5"),
+    ({"alert": lambda: None}, r"`alert` must accept one argument"),
+    ({"alert": lambda a, b: None}, r"`alert` must accept one argument"),
+    ({"log_every_n_steps": 0}, r"`log_every_n_steps`: 0; use an integer >= 1"),
+    ({"log_every_n_steps": 2.5}, r"`log_every_n_steps`: 2.5"),
+    ({"log_every_n_steps": True}, r"`log_every_n_steps`: True"),
+    ({"logging_budget": 0}, r"`logging_budget`: 0"),
+    ({"logging_budget": 1.5}, r"`logging_budget`: 1.5"),
+    ({"logging_budget": float("nan")}, r"`logging_budget`: nan"),
+    ({"report": "yes"}, r"`report`: 'yes'; use True or False"),
+    ({"checkpoint_noise_generator": 1}, r"`checkpoint_noise_generator`: 1"),
+    ({"accountant": 5}, r"`accountant`: 5; pass an Opacus accountant"),
+    ({"canaries": 32}, r"Unexpected option\(s\) for DPAuditCallback: canaries"),
+    ({"optimizer_kwargs": {}}, r"Unexpected option\(s\) for DPAuditCallback: optimizer_kwargs"),
+    ({"on_violation": print}, r"Unexpected option\(s\) for DPAuditCallback: on_violation; use `alert`"),
+])
+def test_callback_options_are_checked_when_it_is_built(options, message):
+    with pytest.raises(ValueError, match=message):
+        DPAuditCallback(**options)
+
+
+# ---- PrivacyAuditor options and saved state
+# Every option of PrivacyAuditor with values it must refuse at attach (the optimizer left as it
+# was), the optimizer's own claim, input canaries' sample and loss, and saved states that are
+# foreign, incomplete or damaged (refused before any step, the auditor left as it was).
+
+import copy as _copy
+
+import numpy as _np
+import pytest as _pytest
+import torch as _torch
+
+from lightning_dpaudit import PrivacyAuditor as _Auditor
+from lightning_dpaudit.integrations.digits import digits_holdout as _holdout
+from lightning_dpaudit.integrations.digits import make_private_digits as _private
+from lightning_dpaudit.integrations.digits import train_steps as _train
+
+
+def _untouched(optimizer) -> bool:
+    return "add_noise" not in vars(optimizer) and not hasattr(optimizer, "_dpaudit_auditor")
+
+
+_BAD_OPTIONS = [
+    ("delta", 0, r"`delta`: 0; use a finite number in \(0.0, 1.0\)"),
+    ("delta", 1.0, r"`delta`: 1.0"),
+    ("delta", float("nan"), r"`delta`: nan"),
+    ("delta", "1e-5", r"`delta`: '1e-5'; use a number"),
+    ("confidence", 1.0, r"`confidence`: 1.0"),
+    ("confidence", 0, r"`confidence`: 0"),
+    ("confidence", "0.95", r"`confidence`: '0.95'"),
+    ("canary", "diracc", r"`canary`: 'diracc'; valid kinds are dirac, constant, random, mislabeled"),
+    ("canary", 5, r"`canary`: 5"),
+    ("canaries_per_step", 2.5, r"`canaries_per_step`: 2.5; use an integer >= 2"),
+    ("canaries_per_step", 1, r"`canaries_per_step`: 1; use an integer >= 2"),
+    ("canaries_per_step", -4, r"`canaries_per_step`: -4"),
+    ("canaries_per_step", True, r"`canaries_per_step`: True"),
+    ("canaries_per_step", "many", r"`canaries_per_step`: 'many'"),
+    ("canaries_per_step", 10**6, r"needs 1000000 coordinates; the optimizer has 9802 parameters"),
+    ("mode", "two-run", r"`mode`: 'two-run'; valid modes are one-run, paired"),
+    ("estimator", "katz", r"estimator 'katz' bounds pure epsilon-DP"),
+    ("estimator", "bogus", r"bogus"),
+    ("seed", -1, r"`seed`: -1; use an integer >= 0"),
+    ("seed", 1.5, r"`seed`: 1.5"),
+    ("canary_scale", 0, r"`canary_scale`: 0"),
+    ("canary_scale", float("nan"), r"`canary_scale`: nan"),
+    ("canary_scale", float("inf"), r"`canary_scale`: inf"),
+    ("canary_scale", "2", r"`canary_scale`: '2'"),
+    ("moving", "no", r"`moving`: 'no'; use True or False"),
+    ("moving", 1, r"`moving`: 1"),
+    ("support", 0, r"`support`: 0; use an integer >= 1"),
+    ("support", 2.5, r"`support`: 2.5"),
+    ("check_every", 0, r"`check_every`: 0"),
+    ("check_every", 2.5, r"`check_every`: 2.5"),
+    ("check_every", "often", r"`check_every`: 'often'"),
+    ("observe_steps", 0, r"`observe_steps`: 0"),
+    ("observe_steps", 2.7, r"`observe_steps`: 2.7"),
+    ("observation_window", 0, r"`observation_window`: 0"),
+    ("checksum_every", -1, r"`checksum_every`: -1; use an integer >= 0"),
+    ("checksum_every", 2.5, r"`checksum_every`: 2.5"),
+    ("on_violation", 5, r"`on_violation`: 5; use a callable"),
+    ("on_violation", lambda: None, r"`on_violation` must accept one argument"),
+    ("on_violation", lambda a, b: None, r"`on_violation` must accept one argument"),
+    ("module", 5, r"`module`: int; pass the torch.nn.Module"),
+    ("accountant", 5, r"`accountant`: 5; pass an Opacus accountant"),
+    ("accountant", "rdp", r"`accountant`: 'rdp'"),
+]
+
+
+@_pytest.mark.parametrize("name,value,message", _BAD_OPTIONS, ids=[f"{n}={v!r}" for n, v, _ in _BAD_OPTIONS])
+def test_auditor_option_refused_at_attach(name, value, message):
+    _, optimizer, _, _ = _private(seed=0)
+    with _pytest.raises(ValueError, match=message):
+        _Auditor(optimizer, **{name: value})
+    assert _untouched(optimizer)
+
+
+def test_auditor_refuses_an_optimizer_that_is_not_opacus():
+    model = _torch.nn.Linear(4, 2)
+    with _pytest.raises(TypeError, match=r"needs an Opacus DPOptimizer, got SGD"):
+        _Auditor(_torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@_pytest.mark.parametrize("attribute,value,message", [
+    ("noise_multiplier", 0.0, r"noise_multiplier: 0.0; with no noise there is no privacy claim"),
+    ("noise_multiplier", float("nan"), r"noise_multiplier: nan"),
+    ("max_grad_norm", 0.0, r"max_grad_norm: 0.0; clipping needs a finite bound > 0"),
+    ("max_grad_norm", float("inf"), r"max_grad_norm: inf"),
+])
+def test_auditor_refuses_an_optimizer_without_a_claim(attribute, value, message):
+    _, optimizer, _, _ = _private(seed=0)
+    setattr(optimizer, attribute, value)
+    with _pytest.raises(ValueError, match=message):
+        _Auditor(optimizer)
+    assert _untouched(optimizer)
+
+
+def _input_run(**options):
+    inputs, labels = _holdout(64)
+    model, optimizer, loader, _ = _private(seed=0, holdout=64)
+    return model, optimizer, loader, {"canary_inputs": inputs, "canary_labels": labels, **options}
+
+
+@_pytest.mark.parametrize("change,message", [
+    (lambda o: o.update(canary_labels=_torch.nn.functional.one_hot(o["canary_labels"], 10)), r"1-D tensor of class indices \(not one-hot\)"),
+    (lambda o: o.update(canary_labels=o["canary_labels"][:10]), r"`inputs` has 64 examples but `labels` has 10"),
+    (lambda o: o.update(canary_labels=o["canary_labels"] + 20), r"`labels` must be integers in \[0, 10\)"),
+    (lambda o: o.update(canary_inputs=o["canary_inputs"].reshape(64, 64)), r"cannot take canary inputs of shape \(64,\)"),
+    (lambda o: o.update(canary_inputs=o["canary_inputs"].double()), r"canary inputs must be a tensor of the model's dtype"),
+    (lambda o: o.update(loss_fn=_torch.nn.CrossEntropyLoss()), r"`loss_fn` must sum over the batch"),
+    (lambda o: o.update(canary_inputs=None), r"need a sample of in-distribution inputs"),
+    (lambda o: o.update(recraft_every=0), r"`recraft_every`: 0"),
+    (lambda o: o.update(canaries_per_step=5000), r"input canaries are at most 4096 per step"),
+])
+def test_input_canaries_refused_at_attach(change, message):
+    model, optimizer, _, options = _input_run(canary="adversarial")
+    change(options)
+    with _pytest.raises(ValueError, match=message):
+        _Auditor(optimizer, module=model, **options)
+    assert _untouched(optimizer)
+
+
+def test_input_canaries_need_the_model():
+    _, optimizer, _, options = _input_run(canary="mislabeled")
+    with _pytest.raises(ValueError, match=r"input canaries need the model: pass `module=`"):
+        _Auditor(optimizer, **options)
+    assert _untouched(optimizer)
+
+
+def test_blank_canaries_need_no_labels():
+    model, optimizer, loader, options = _input_run(canary="blank", canaries_per_step=8)
+    del options["canary_labels"]
+    auditor = _Auditor(optimizer, module=model, **options)
+    _train(model, optimizer, loader, 2)
+    assert auditor.steps == 2 and auditor.result().n_in + auditor.result().n_out > 0
+
+
+# ------------------------------------------------------------------ saved state
+
+
+@_pytest.fixture(scope="module")
+def _saved():
+    """The state of a short audit on the digits CNN (sigma 1, dirac, 1,024 canaries, one-run)."""
+    model, optimizer, loader, _ = _private(seed=0)
+    auditor = _Auditor(optimizer, seed=1)
+    _train(model, optimizer, loader, 3)
+    return auditor.state_dict()
+
+
+def _fresh(**options):
+    model, optimizer, loader, _ = _private(seed=0, **options.pop("private", {}))
+    return model, optimizer, loader, _Auditor(optimizer, seed=2, **options)
+
+
+def _assert_unchanged(auditor, before):
+    after = auditor.result(accounting=False)
+    assert (auditor.steps, after.n_in, after.n_out) == (before.steps, before.n_in, before.n_out)
+
+
+@_pytest.mark.parametrize("setup,message", [
+    ({"private": {"noise_multiplier": 2.0}}, r"noise_multiplier \(saved 1.0, here 2.0\)"),
+    ({"canary": "random"}, r"canary \(saved 'dirac', here 'random'\)"),
+    ({"canaries_per_step": 64}, r"canaries_per_step \(saved 1024, here 64\)"),
+    ({"mode": "paired"}, r"mode \(saved 'one-run', here 'paired'\)"),
+    ({"private": {"max_grad_norm": 0.5}}, r"max_grad_norms \(saved \[1.0, .*here \[0.5"),
+    ({"private": {"clipping": "per_layer"}}, r"clipping \(saved 'flat', here 'per_layer'\)"),
+])
+def test_a_state_from_another_set_up_is_refused_by_name(_saved, setup, message):
+    model, optimizer, loader, auditor = _fresh(**setup)
+    before = auditor.result(accounting=False)
+    with _pytest.raises(ValueError, match=message + r".*start a new audit"):
+        auditor.load_state_dict(_saved)
+    _assert_unchanged(auditor, before)
+    _train(model, optimizer, loader, 1)  # the run goes on
+    assert auditor.steps == 1
+
+
+def test_a_state_from_another_model_is_refused_before_any_step(_saved):
+    model = _torch.nn.Sequential(_torch.nn.Flatten(), _torch.nn.Linear(64, 10))
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(_torch.randn(64, 1, 8, 8), _torch.randint(10, (64,))), batch_size=16)
+    model, optimizer, data = PrivacyEngine().make_private(
+        module=model, optimizer=_torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
+        noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    auditor = _Auditor(optimizer, seed=0)
+    with _pytest.raises(ValueError, match=r"saved on another set-up: shapes \(saved \[\[8, 1, 3, 3\].*here \[\[10, 64\], \[10\]\]\)"):
+        auditor.load_state_dict(_saved)
+    _train(model, optimizer, data, 1)
+    assert auditor.steps == 1
+
+
+def test_input_and_gradient_states_do_not_mix(_saved):
+    model, optimizer, _, options = _input_run(canary="mislabeled", canaries_per_step=8)
+    auditor = _Auditor(optimizer, module=model, **options)
+    with _pytest.raises(ValueError, match=r"canary \(saved 'dirac', here 'mislabeled'\).*input \(saved False, here True\)"):
+        auditor.load_state_dict(_saved)
+
+
+@_pytest.mark.parametrize("key", ["steps", "sampler", "pool", "fingerprints", "log", "monitor"])
+def test_a_state_missing_a_field_is_refused_by_name(_saved, key):
+    state = dict(_saved)
+    del state[key]
+    _, _, _, auditor = _fresh()
+    with _pytest.raises(ValueError, match=rf"the audit state lacks '{key}'"):
+        auditor.load_state_dict(state)
+    assert auditor.steps == 0
+
+
+@_pytest.mark.parametrize("state,message", [
+    ("not a state", r"an audit state is a dict .* got str"),
+    (None, r"an audit state is a dict .* got NoneType"),
+    ([1, 2], r"got list"),
+])
+def test_something_else_than_a_state_is_refused(state, message):
+    _, _, _, auditor = _fresh()
+    with _pytest.raises(ValueError, match=message):
+        auditor.load_state_dict(state)
+
+
+@_pytest.mark.parametrize("corrupt,message", [
+    (lambda s: s.update(format=99), r"audit state format 99 is not one this version reads"),
+    (lambda s: s.update(steps=-3), r"`steps` is -3"),
+    (lambda s: s.update(steps="7"), r"`steps` is '7'"),
+    (lambda s: s.update(steps=2.5), r"`steps` is 2.5"),
+    (lambda s: s.pop("setup"), r"lacks its set-up record"),
+    (lambda s: s["monitor"]["counts"].update({-1: [-106, 0, 0, 0]}), r"monitor counts for group -1 are \[-106, 0, 0, 0\]"),
+    (lambda s: s["monitor"]["counts"].update({-1: [1.5, 0, 0, 0]}), r"monitor counts for group -1"),
+    (lambda s: s.update(monitor="counts"), r"`monitor` is not a dict"),
+    (lambda s: s.update(fingerprints={"bits": "x"}), r"the audit state is damaged \(`fingerprints`: ValueError"),
+    (lambda s: s["log"].update(counts=_np.zeros((3, 3, 3))), r"the audit state is damaged \(`log`: ValueError: observation counts"),
+    (lambda s: s["sampler"].update(rng="x"), r"the audit state is damaged \(`sampler` or `pool`"),
+])
+def test_a_damaged_state_is_refused_and_the_auditor_left_as_it_was(_saved, corrupt, message):
+    state = _copy.deepcopy(_saved)
+    corrupt(state)
+    model, optimizer, loader, auditor = _fresh()
+    _train(model, optimizer, loader, 2)
+    before = auditor.result(accounting=False)
+    with _pytest.raises(ValueError, match=message):
+        auditor.load_state_dict(state)
+    _assert_unchanged(auditor, before)
+    _train(model, optimizer, loader, 1)
+    assert auditor.steps == 3 and not auditor.result(accounting=False).violation
+
+
+@_pytest.mark.parametrize("where", ["input-canary gradients", "reading the release"])
+def test_a_failure_inside_an_audited_step_leaves_plain_training_working(where):
+    if where == "input-canary gradients":
+        model, optimizer, loader, options = _input_run(canary="mislabeled", canaries_per_step=8)
+        auditor = _Auditor(optimizer, module=model, **options)
+        target, name = auditor.kind.input_probe, "gradients"
+    else:
+        model, optimizer, loader, auditor = _fresh()
+        target, name = auditor.kind, "read"
+    _train(model, optimizer, loader, 1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"failure in {where}")
+
+    setattr(target, name, broken)
+    with _pytest.raises(RuntimeError, match=f"failure in {where}"):
+        _train(model, optimizer, loader, 1)
+    assert all(not hasattr(p, "summed_grad") or not _torch.is_tensor(p.summed_grad) or p.summed_grad.isfinite().all()
+               for p in optimizer.params)
+    auditor.detach()
+    assert _untouched(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    _train(model, optimizer, loader, 2)  # plain training goes on
+    assert any(not _torch.equal(b, p) for b, p in zip(before, model.parameters()))
