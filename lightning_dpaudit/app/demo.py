@@ -24,7 +24,7 @@ TRAIN = 1500  # of the 1,797 digits; the other 297 validate and supply input can
 
 # Input canaries in the demo: (canaries per step, optimizer steps), chosen so that each
 # kind's demo takes about a minute on a 2-core CPU and ends with a positive lower bound
-# (README, "Input canaries in the demo"). Gradient canaries keep the auditor's default
+# (docs/results.md, "Input canaries in the demo"). Gradient canaries keep the auditor's default
 # count and DEMO_STEPS.
 DEMO_STEPS = 600
 INPUT_DEMO = {

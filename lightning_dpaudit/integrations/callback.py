@@ -47,7 +47,7 @@ class DPAuditCallback(Callback):
     given to make_private as noise_generator) in the callback's checkpoint state and
     restore it on resume, so that a resumed run does not replay earlier noise. Without
     such a generator (the noise comes from torch's global generator, or from the OS in
-    secure mode) it warns once and saves nothing (README, "Resuming a DP run").
+    secure mode) it warns once and saves nothing (docs/resuming.md).
     auditor_options: passed to PrivacyAuditor (delta, confidence, canary, mode, ...). Input
     canaries go through the LightningModule's forward unless `module=` names another model.
     """

@@ -28,7 +28,7 @@ from torch.func import functional_call, grad, vmap
 
 INPUT_KINDS = ("mislabeled", "blank", "adversarial", "crafted")
 RECRAFT_EVERY = {"adversarial": 100, "crafted": 20}  # recraft_every="auto": noised steps between rebuilds
-SPREAD = 5.0  # weight of mutual orthogonality (log det) in crafting; see README "Input canaries" for the measurements
+SPREAD = 5.0  # weight of mutual orthogonality (log det) in crafting; see docs/results.md, "Input canaries", for the measurements
 
 
 def plain_module(model: nn.Module) -> nn.Module:
