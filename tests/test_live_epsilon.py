@@ -13,13 +13,8 @@ import numpy as np
 import pytest
 
 from lightning_dpaudit.estimators import end_to_end_epsilon
-from lightning_dpaudit.estimators.live_epsilon import (
-    LiveEpsilon,
-    _lower_rdp_epsilon,
-    _round_down,
-    _rdp_curve,
-    _StepGrid,
-)
+from lightning_dpaudit.estimators.live_epsilon import LiveEpsilon, _round_down, _StepGrid
+from lightning_dpaudit.estimators.rdp_curves import _lower_rdp_epsilon, _rdp_curve
 
 DELTA = 1e-5
 Q = 64 / 1797
@@ -131,7 +126,7 @@ def test_rdp_lower_bound_computes_only_the_orders_it_needs_and_still_finds_the_m
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-    from lightning_dpaudit.estimators.live_epsilon import _Curves
+    from lightning_dpaudit.estimators.rdp_curves import _Curves
 
     orders = np.asarray(RDPAccountant.DEFAULT_ALPHAS)
     for sigma, steps in ((1.1, 1000), (0.5, 3), (8.0, 20)):

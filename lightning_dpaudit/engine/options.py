@@ -8,6 +8,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+import numpy as np
+
 from .. import estimators as est
 from .kinds.canaries import KINDS
 from .kinds.input_canaries import INPUT_KINDS, InputCanaries
@@ -152,15 +154,13 @@ class Mechanism:
     """
 
     params: list
-    clip_bounds: "np.ndarray"
+    clip_bounds: np.ndarray
     per_layer: bool
     noise_multiplier: float
     max_grad_norm: float
 
     @classmethod
     def of(cls, optimizer) -> "Mechanism":
-        import numpy as np
-
         params = list(optimizer.params)
         per_layer = hasattr(optimizer, "max_grad_norms")
         bounds = optimizer.max_grad_norms if per_layer else [optimizer.max_grad_norm] * len(params)

@@ -7,7 +7,6 @@ support: computed on the parameters' device, so a step moves nothing to the host
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .canaries import CanarySampler

@@ -1,0 +1,95 @@
+"""Values the callback writes: TensorBoard histograms, finite metrics, plain settings, versions,
+and checkpoint state in a form torch.load(weights_only=True) reads."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+CHART_LAYOUT = {  # TensorBoard's Custom Scalars: both epsilons on one chart, both mus on another
+    "dpaudit": {
+        "epsilon: empirical lower bound vs accountant": ["Multiline", ["dpaudit/eps_lower_bound", "dpaudit/eps_accountant"]],
+        "per-step mu: lower bound vs claimed": ["Multiline", ["dpaudit/mu_lower_bound", "dpaudit/mu_claimed"]],
+    }
+}
+
+
+def _add_histogram(writer, tag: str, edges: np.ndarray, counts: np.ndarray, step: int) -> None:
+    """A fixed-bin histogram (edges -inf, finite edges, +inf) to TensorBoard, without the raw values.
+
+    Only the span from the first to the last non-empty bin is written; the underflow and
+    overflow bins are drawn one bin wide beyond the finite edges. min, max, sum and
+    sum_squares are those of the bins (midpoints), not of the values.
+    """
+    counts = np.asarray(counts)
+    filled = np.flatnonzero(counts)
+    if filled.size == 0:
+        return
+    finite = np.asarray(edges, dtype=float)[1:-1]
+    width = finite[1] - finite[0]
+    lower = np.concatenate([[finite[0] - width], finite])
+    upper = np.concatenate([finite, [finite[-1] + width]])
+    span = slice(int(filled[0]), int(filled[-1]) + 1)
+    kept, middle = counts[span], (lower[span] + upper[span]) / 2
+    writer.add_histogram_raw(
+        tag,
+        min=float(lower[span][0]),
+        max=float(upper[span][-1]),
+        num=int(kept.sum()),
+        sum=float(kept @ middle),
+        sum_squares=float(kept @ middle**2),
+        bucket_limits=upper[span].tolist(),
+        bucket_counts=kept.tolist(),
+        global_step=step,
+    )
+
+
+def _finite(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
+
+
+def _plain(options: dict) -> dict:
+    def plain(v):
+        if isinstance(v, (str, int, float, bool, type(None))):
+            return v
+        if torch.is_tensor(v):
+            return f"tensor of shape {tuple(v.shape)}"
+        return getattr(v, "kind", None) or repr(v)
+
+    return {k: plain(v) for k, v in options.items()}
+
+
+def _versions() -> dict:
+    import opacus
+    import pytorch_lightning as pl
+
+    from .. import __version__
+
+    return {"lightning_dpaudit": __version__, "torch": torch.__version__, "opacus": opacus.__version__, "pytorch_lightning": pl.__version__}
+
+
+def _to_checkpoint(value):
+    """numpy arrays as torch tensors, so the state loads with torch.load(weights_only=True)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return [_to_checkpoint(v) for v in value]
+        return {"__ndarray__": torch.from_numpy(np.ascontiguousarray(value)), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {k: _to_checkpoint(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_checkpoint(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _from_checkpoint(value):
+    if isinstance(value, dict) and "__ndarray__" in value:
+        return value["__ndarray__"].numpy().astype(value["dtype"])
+    if isinstance(value, dict):
+        return {k: _from_checkpoint(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_checkpoint(v) for v in value]
+    return value
