@@ -398,3 +398,42 @@ def test_a_failure_inside_an_audited_step_leaves_plain_training_working(where):
     before = [p.detach().clone() for p in model.parameters()]
     _train(model, optimizer, loader, 2)  # plain training goes on
     assert any(not _torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+# ---- the estimators
+
+from lightning_dpaudit import estimators as _est  # noqa: E402
+
+
+@_pytest.mark.parametrize("call,message", [
+    (lambda: _est.end_to_end_epsilon(1, delta=0.99, sample_rate=0.01, steps=100, accountant="bogus"), r"`accountant`: 'bogus'"),
+    (lambda: _est.end_to_end_epsilon(20, delta=1e-5, sample_rate=0.01, steps=100, accountant="prv"), r"beyond what the PRV accountant computes"),
+    (lambda: _est.end_to_end_epsilon(1, delta=1e-5, sample_rate=0.01, steps=2.7), r"`steps`: 2.7; it must be a whole number"),
+    (lambda: _est.end_to_end_epsilon(1, delta=1e-5, sample_rate=0.01, steps=-1), r"`steps`: -1"),
+    (lambda: _est.end_to_end_epsilon(1, delta=1e-5, sample_rate=1.5, steps=10), r"`sample_rate`: 1.5; it must lie in \(0, 1\]"),
+    (lambda: _est.end_to_end_epsilon(1, delta=1e-5, sample_rate="0.1", steps=10), r"`sample_rate`: '0.1'; use a number"),
+    (lambda: _est.end_to_end_epsilon(float("nan"), delta=1e-5, sample_rate=0.1, steps=10), r"`mu_step`: nan"),
+    (lambda: _est.end_to_end_epsilon(1, delta="1e-5", sample_rate=0.1, steps=10), r"`delta`: '1e-5'; use a number"),
+    (lambda: _est.end_to_end_epsilon(1, delta=0, sample_rate=0.1, steps=10), r"`delta` must be > 0 here"),
+    (lambda: _est.one_run_p_value(1.0, num_canaries=10, num_guesses=5, num_correct=-1, delta=1e-5), r"`num_correct`: -1"),
+    (lambda: _est.one_run_p_value(1.0, num_canaries=10, num_guesses=5, num_correct=3, delta=2), r"`delta`: 2.0; it must lie in \[0, 1\)"),
+    (lambda: _est.one_run_p_value(-1.0, num_canaries=10, num_guesses=5, num_correct=3, delta=0), r"`epsilon`: -1.0"),
+    (lambda: _est.one_run_p_value(1.0, num_canaries=4, num_guesses=5, num_correct=3, delta=0), r"`num_guesses` \(5\) cannot exceed"),
+    (lambda: _est.one_run_epsilon(1000, 100, 101), r"`num_correct` \(101\) cannot exceed"),
+    (lambda: _est.one_run_epsilon(1000, 100, 90, confidence="0.95"), r"`confidence`: '0.95'; use a number"),
+    (lambda: _est.mu_from_counts(-1, 5, 5, 5), r"`tp`: -1; counts must be whole numbers"),
+    (lambda: _est.mu_from_counts(1.5, 5, 5, 5), r"`tp`: 1.5"),
+    (lambda: _est.mu_from_counts([1, 2], [1], [1, 2], [1, 2]), r"must have one shape"),
+    (lambda: _est.mu_from_counts(5, 5, 5, 5, method="katz"), r"`method`: 'katz'"),
+    (lambda: _est.epsilon_lower_bound([[1.0, 2.0]], [0.0, 0.1], delta=1e-5), r"`in_scores` must be 1-D .* shape \(1, 2\)"),
+    (lambda: _est.epsilon_lower_bound([1.0, float("nan")], [0.0], delta=1e-5), r"only finite numbers"),
+    (lambda: _est.epsilon_lower_bound([1.0], [0.0], delta=1e-5, confidence=1.0), r"`confidence`: 1.0"),
+    (lambda: _est.mu_to_epsilon(1.0, "1e-5"), r"`delta`"),
+])
+def test_estimators_refuse_bad_arguments_by_name(call, message):
+    with _pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_end_to_end_epsilon_is_never_negative():
+    assert _est.end_to_end_epsilon(1, delta=0.99, sample_rate=0.01, steps=100) == 0.0

@@ -35,7 +35,7 @@ from typing import Optional, Union
 import numpy as np
 from scipy.stats import beta, norm
 
-from ._checks import check_confidence, check_count, check_delta, check_scores
+from ._checks import check_confidence, check_count, check_counts, check_delta, check_scores
 from .gdp import mu_to_epsilon
 from .posterior import epsdelta_credible_lower, gdp_credible_lower
 
@@ -212,6 +212,7 @@ def mu_from_counts(tp, fn, fp, tn, *, method: str = "gdp-cp", confidence: float 
     if method not in ("gdp-cp", "gdp-bayes"):
         raise ValueError(f"Unexpected value for `method`: {method!r}; mu_from_counts takes gdp-cp or gdp-bayes")
     confidence = check_confidence(confidence)
+    tp, fn, fp, tn = check_counts(tp, fn, fp, tn)
     _, mu = _bound_from_counts(tp, fn, fp, tn, method=method, delta=1e-5, confidence=confidence)
     return float(mu) if np.ndim(mu) == 0 else mu
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple
 
-from ._checks import check_delta, check_nonnegative
+from ._checks import check_count, check_delta, check_nonnegative
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
+PRV_MU_LIMIT = 4.0  # Opacus's PRV at 200 steps of rate 0.036: 3 s and 0.3 GB at mu 4; raises at 8 (live_epsilon.py)
 
 
 def end_to_end_epsilon(
@@ -41,19 +42,28 @@ def end_to_end_epsilon(
     if history is None:
         if sample_rate is None or steps is None:
             raise ValueError("pass `sample_rate` and `steps`, or an accountant's `history`")
-        history = [(None, float(sample_rate), int(steps))]
+        history = [(None, sample_rate, steps)]
     elif sample_rate is not None or steps is not None:
         raise ValueError("pass either `history` or `sample_rate` and `steps`, not both")
-    entries = [(float(q), int(n)) for _, q, n in history]
-    for q, n in entries:
-        if not 0.0 < q <= 1.0 or n < 0:
-            raise ValueError(f"Unexpected history entry: sample_rate={q}, steps={n}")
+    entries = []
+    for entry in history:
+        _, q, n = entry
+        q = check_nonnegative(q, "sample_rate")
+        n = check_count(n, "steps")
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"Unexpected value for `sample_rate`: {q}; it must lie in (0, 1]")
+        entries.append((q, n))
     if mu_step == 0.0 or sum(n for _, n in entries) == 0:
         return 0.0
     if math.isinf(mu_step):
         return math.inf
+    if accountant == "prv" and mu_step > PRV_MU_LIMIT:
+        raise ValueError(
+            f"mu_step {mu_step:g} is beyond what the PRV accountant computes in bounded memory (<= {PRV_MU_LIMIT:g}; "
+            "its work grows with mu and fails near 8); use accountant='rdp' or 'gdp'"
+        )
     from opacus.accountants import create_accountant
 
     composed = create_accountant(accountant)
     composed.history = [(1.0 / mu_step, q, n) for q, n in entries if n > 0]
-    return float(composed.get_epsilon(delta=delta))
+    return max(0.0, float(composed.get_epsilon(delta=delta)))  # a conversion below 0 (large delta) means 0

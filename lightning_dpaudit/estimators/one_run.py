@@ -20,13 +20,15 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.stats import binom
 
-from ._checks import check_confidence, check_count, check_delta
+from ._checks import check_confidence, check_count, check_delta, check_nonnegative
 
 
 def one_run_p_value(epsilon: float, *, num_canaries: int, num_guesses: int, num_correct: int, delta: float) -> float:
     """p(epsilon) above: how surprising num_correct is if the run were (epsilon, delta)-DP."""
-    q = 1.0 / (1.0 + math.exp(-epsilon))
-    r, v = num_guesses, num_correct
+    epsilon = check_nonnegative(epsilon, "epsilon")
+    num_canaries, r, v = _check_guesses(num_canaries, num_guesses, num_correct)
+    delta = check_delta(delta)
+    q = 1.0 / (1.0 + math.exp(-epsilon)) if epsilon < 700 else 1.0
     tail = float(binom.sf(v - 1, r, q))
     if delta == 0.0 or v == 0:
         return min(tail, 1.0)
@@ -41,13 +43,7 @@ def one_run_epsilon(
     num_canaries: int, num_guesses: int, num_correct: int, *, delta: float = 0.0, confidence: float = 0.95
 ) -> float:
     """Largest epsilon rejected at level 1 - confidence by one_run_p_value (0 if none)."""
-    m = check_count(num_canaries, "num_canaries")
-    r = check_count(num_guesses, "num_guesses")
-    v = check_count(num_correct, "num_correct")
-    if r > m:
-        raise ValueError(f"`num_guesses` ({r}) cannot exceed `num_canaries` ({m})")
-    if v > r:
-        raise ValueError(f"`num_correct` ({v}) cannot exceed `num_guesses` ({r})")
+    m, r, v = _check_guesses(num_canaries, num_guesses, num_correct)
     confidence = check_confidence(confidence)
     delta = check_delta(delta)
     level = 1.0 - confidence
@@ -63,3 +59,14 @@ def one_run_epsilon(
         if upper > 1e3:  # p stays below the level: delta term too small to matter; no finite bound
             return math.inf
     return float(brentq(excess, 0.0, upper, xtol=1e-10, rtol=1e-12))
+
+
+def _check_guesses(num_canaries, num_guesses, num_correct):
+    m = check_count(num_canaries, "num_canaries")
+    r = check_count(num_guesses, "num_guesses")
+    v = check_count(num_correct, "num_correct")
+    if r > m:
+        raise ValueError(f"`num_guesses` ({r}) cannot exceed `num_canaries` ({m})")
+    if v > r:
+        raise ValueError(f"`num_correct` ({v}) cannot exceed `num_guesses` ({r})")
+    return m, r, v
