@@ -116,6 +116,20 @@ def test_no_logger_still_audits_and_reports(tmp_path):
     assert (tmp_path / "audit_report.json").exists()
 
 
+class _Wrapped(pl.LightningModule):
+    """A module around a model and optimizer made private before the Trainer was built."""
+
+    def __init__(self, model, optimizer):
+        super().__init__()
+        self.net, self._optimizer = model, optimizer
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return self._optimizer
+
+
 def test_make_private_before_the_trainer(tmp_path):
     model = DigitsCNN()
     engine = PrivacyEngine()
@@ -125,20 +139,9 @@ def test_make_private_before_the_trainer(tmp_path):
         noise_multiplier=1.0, max_grad_norm=1.0,
     )
 
-    class Wrapped(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = model
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return optimizer
-
     callback = DPAuditCallback(seed=0)
     pl.Trainer(max_steps=10, callbacks=[callback], logger=False, enable_progress_bar=False,
-               enable_checkpointing=False, default_root_dir=tmp_path).fit(Wrapped(), train_dataloaders=loader)
+               enable_checkpointing=False, default_root_dir=tmp_path).fit(_Wrapped(model, optimizer), train_dataloaders=loader)
     result = callback.auditor.result()
     assert result.steps == 10 and result.epsilon_accountant > 0  # accountant found through the hook
 
@@ -316,20 +319,9 @@ def test_a_raised_alert_leaves_an_optimizer_built_before_the_trainer_as_it_was(t
     )
     inject_bug(optimizer, "no-noise")
 
-    class Wrapped(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = model
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return optimizer
-
     def fit(callback):
         pl.Trainer(max_steps=10, callbacks=[callback], logger=False, enable_progress_bar=False,
-                   enable_checkpointing=False, default_root_dir=tmp_path).fit(Wrapped(), train_dataloaders=loader)
+                   enable_checkpointing=False, default_root_dir=tmp_path).fit(_Wrapped(model, optimizer), train_dataloaders=loader)
 
     with pytest.raises(PrivacyViolationError):
         fit(DPAuditCallback(alert="raise", seed=0, report=False))
