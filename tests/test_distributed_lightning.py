@@ -27,9 +27,14 @@ def test_recipe_is_quiet_reports_from_rank_zero_and_resumes(tmp_path):
     assert code == 0, text[-3000:]
     reports = sorted(tmp_path.glob("run/version_*/audit_report.json"))
     assert len(reports) == 2  # one per fit, written by rank 0 only
-    result = json.loads(reports[-1].read_text())["result"]
+    first, result = (json.loads(r.read_text())["result"] for r in reports)
     assert result["steps"] == 40 and not result["violation"] and result["noise_repeats"] == 0
-    assert 0 < result["mu_lower_bound"] <= result["mu_claimed"]
+    assert (result["n_in"], result["n_out"]) == (2 * first["n_in"], 2 * first["n_out"])  # every observation once
+    # No violation means the anytime bound stayed at or below the claim. The fixed-sample 95%
+    # bound exceeds the claim in up to 5% of correct runs, and this recipe's noise generator
+    # takes a fresh seed each run (examples/lightning_ddp.py), so it is only asked to be close.
+    assert 0 < result["mu_lower_bound_anytime"] <= result["mu_claimed"]
+    assert 0.8 * result["mu_claimed"] < result["mu_lower_bound"]
 
 
 def test_make_private_on_the_bare_module_raises_on_every_rank_before_training(tmp_path):
