@@ -49,7 +49,7 @@ def test_the_pages_have_examples():
     assert len(list(_blocks())) >= 8
 
 
-@pytest.mark.parametrize("code", _blocks())
+@pytest.mark.parametrize("code", list(_blocks()))
 def test_example_runs(code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()
