@@ -266,9 +266,16 @@ def main() -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         answer = globals()[scenario](rank, world, options)
+        torch.distributed.barrier()  # no rank tears the group down while another still has work in it
     finally:
         torch.distributed.destroy_process_group()
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(answer, default=float))
+    # Leave without interpreter finalization: gloo's worker threads can still hold tensors whose
+    # release at finalization aborts the process (SIGABRT, "terminate called without an active
+    # exception") after all the work is done and written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
