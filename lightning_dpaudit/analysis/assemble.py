@@ -5,6 +5,9 @@ Per group (pooled, each tensor) the threshold-0.5 attack's counts (tp, fn, fp, t
 fixed-sample mu lower bound (the chosen estimator) and the monitor's anytime-valid one.
 The end-to-end lower bound composes sigma_emp = 1 / mu_lower over the accountant's own
 history with the accountant's own method (Tight Auditing 5.5; estimators.live_epsilon).
+When the claim changed during the run, the pooled bounds become a certified ratio of
+actual to claimed mu (estimators.changing_claims), shown in the current claim's units,
+and every step of the history is composed at sigma_t / ratio.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import estimators as est
+from ..estimators.changing_claims import ratio_lower_bound
 from ..estimators.live_epsilon import LiveEpsilon
 from .findings import Evidence, diagnose
 from .monitor import POOLED, REPEATS, SETUP
@@ -61,6 +65,9 @@ class ResultAssembler:
         counts = monitor.group_counts()
         groups = [POOLED, *range(len(layer_names))]
         mus = self.mu_lower(np.array([counts[g] for g in groups]))
+        changed = len(monitor.segments) > 1
+        if changed:  # pooled over claims: the certified ratio, in the current claim's units
+            mus = np.array([monitor.claims[g] * claim_ratio(mu, monitor, g) for g, mu in zip(groups, mus)])
         mu_step = float(mus[0])
         anytime = monitor.refresh_bounds()
         layers = []
@@ -80,7 +87,8 @@ class ResultAssembler:
         tp, fn, fp, tn = counts[POOLED]
         violating = tuple(group_name(g, layer_names) for g in sorted(monitor.first_violation))
         first = min(monitor.first_violation.values()) if monitor.first_violation else None
-        eps_accountant, eps_lower = self.end_to_end(mu_step, accountant) if accounting else (math.nan, math.nan)
+        ratio = mu_step / monitor.claims[POOLED] if changed else None
+        eps_accountant, eps_lower = self.end_to_end(mu_step, accountant, ratio) if accounting else (math.nan, math.nan)
         findings = diagnose(
             self.evidence(record, layer_names, anytime), violation=bool(violating), first_violation_step=first,
             extra=record.problems,
@@ -145,14 +153,29 @@ class ResultAssembler:
             mus.append(float(e.mu) if e.mu is not None else est.epsilon_to_mu(e.epsilon, claim.delta) if e.epsilon > 0 else 0.0)
         return np.array(mus)
 
-    def end_to_end(self, mu_step: float, accountant):
-        """(accountant epsilon, end-to-end lower bound), the curves cached per accountant kind (LiveEpsilon)."""
+    def end_to_end(self, mu_step: float, accountant, ratio: Optional[float] = None):
+        """(accountant epsilon, end-to-end lower bound), the curves cached per accountant kind (LiveEpsilon).
+
+        With one claim, sigma_emp = 1 / mu_step at every step; when the claim changed, every
+        step of the accountant's history at sigma_t / ratio (ratio: actual / claimed mu).
+        """
         if accountant is None or not accountant.history:
             return math.nan, math.nan
         kind = accountant.mechanism()
         if self._live is None or self._live.accountant != kind:
             self._live = LiveEpsilon(kind, delta=self.claim.delta)
-        return self._live.accountant_epsilon(accountant.history), self._live.lower_bound_epsilon(mu_step, accountant.history)
+        history = accountant.history
+        lower = (self._live.lower_bound_epsilon(mu_step, history) if ratio is None
+                 else self._live.lower_bound_epsilon_scaled(ratio, history))
+        return self._live.accountant_epsilon(history), lower
+
+
+def claim_ratio(mu_lower: float, monitor, group: int) -> float:
+    """The ratio actual / claimed mu that a pooled bound certifies over the claim segments (changing_claims.py)."""
+    segments = [(claims[group], counts[group]) for claims, counts in monitor.segment_counts() if group in claims]
+    n_in = [c[0] + c[1] for _, c in segments]
+    n_out = [c[2] + c[3] for _, c in segments]
+    return ratio_lower_bound(mu_lower, n_in, n_out, [claim for claim, _ in segments])
 
 
 def group_name(group: int, layer_names) -> str:

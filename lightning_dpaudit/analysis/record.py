@@ -6,8 +6,9 @@ The monitor tests the counts after every step of a batch (AnytimeMonitor.advance
 the step an alarm records is the one a check after every step would record; only the
 moment the alarm is raised waits for the check.
 
-Error budget (1 - confidence): the noise-repeat test takes REPEAT_ALPHA of the pooled
-share; the monitor splits the rest (see monitor.py).
+Error budget (1 - confidence): the claim segments share it (claim_segments.py); in the first,
+the noise-repeat test takes REPEAT_ALPHA of the pooled share and the monitor splits the
+rest (monitor.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .monitor import REPEATS, SETUP, AnytimeMonitor
+from .claim_segments import SegmentedMonitor
+from .monitor import REPEATS, SETUP
 from .noise_fingerprints import NoiseFingerprints
 from .observations import ObservationLog
 from .results import Finding
@@ -37,6 +39,7 @@ class StepReading:
     value  (k,) normalized observations: N(0, s^2) out, N(1, s^2) in for a correct optimizer
     noise  (SENTINELS,) the release's noise at the sentinel coordinates, in units of sigma*C
            (None when the step has no noise to check)
+    segment  the claim segment of the step (claim_segments.py; 0 while the claim never changed)
     """
 
     step: int
@@ -44,6 +47,7 @@ class StepReading:
     is_in: np.ndarray
     value: np.ndarray
     noise: Optional[np.ndarray]
+    segment: int = 0
 
 
 class AuditRecord:
@@ -51,7 +55,7 @@ class AuditRecord:
 
     def __init__(self, layer_claims: dict, pooled_claim: float, *, confidence: float, kinds: Sequence[str], window: int):
         self.log = ObservationLog(list(kinds), window=window)
-        self.monitor = AnytimeMonitor(layer_claims, pooled_claim, confidence=confidence, reserved=REPEAT_ALPHA)
+        self.monitor = SegmentedMonitor(layer_claims, pooled_claim, confidence=confidence, reserved=REPEAT_ALPHA)
         self.fingerprints = NoiseFingerprints(SENTINELS, alpha=REPEAT_ALPHA)
         self.problems: List[Finding] = []
         self.alerted = False
@@ -64,8 +68,9 @@ class AuditRecord:
         layer = np.concatenate([r.layer for r in readings])
         is_in = np.concatenate([r.is_in for r in readings])
         value = np.concatenate([r.value for r in readings])
+        segment = np.concatenate([np.full(len(r.value), r.segment, dtype=np.int64) for r in readings])
         self.log.append(step=steps, layer=layer, kind=kind, is_in=is_in, value=value)
-        self.monitor.advance(steps + 1, layer, is_in, value)
+        self.monitor.advance(steps + 1, layer, is_in, value, segment)
         for r in readings:
             self._fingerprint(r.noise, r.step + 1)
 
@@ -84,6 +89,10 @@ class AuditRecord:
         self.problems.append(Finding(code, message, first_step=int(step)))
         self.monitor.flag(SETUP, int(step))
         return True
+
+    def open_claim(self, layer_claims: dict, pooled_claim: float) -> int:
+        """The claim segment of the steps from now on (claim_segments.py)."""
+        return self.monitor.open(layer_claims, pooled_claim)
 
     def fired(self, step: int) -> list:
         """Groups whose alarm fired since the last call, tested at `step` as well."""

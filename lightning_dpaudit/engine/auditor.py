@@ -20,6 +20,7 @@ recorded (analysis/record.py), results (analysis/assemble.py) and saved state (s
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -29,7 +30,8 @@ from ..analysis.assemble import Claim, ResultAssembler
 from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
-from .kinds import ALL_KIND_NAMES, canary_kind_for
+from .claims import StepClaims
+from .kinds import ALL_KIND_NAMES, canary_kind_for, layer_claims_of
 from .kinds.input_probe import check_input_model
 from .options import BATCHED_CHECK_EVERY, Mechanism, check_accountant, check_claim, find_accountant, validate
 from .paths import PathSettings, release_path_for
@@ -122,6 +124,8 @@ class PrivacyAuditor:
         self.pipeline = StepPipeline(
             self.kind, self.path, self.record, paired=options.mode == "paired", check_every=check_every,
             observe_steps=options.observe_steps, alarm=self._alarm,
+            claims=StepClaims(optimizer, mechanism, self.accountant, on_change=self._claim_changed,
+                              note_problem=lambda *a: self.pipeline.note_problem(*a)),
         )
         self.path.verify_start(options.canaries_per_step, seed)
         self.path.attach(self.pipeline.audited_step)
@@ -197,6 +201,15 @@ class PrivacyAuditor:
         self.record.note_problem("sample_rate", dist.sample_rate_problem(rate, batches_per_epoch, dist.world_size()), self.steps)
         self.pipeline.check()  # every rank calls this method, so every rank reaches the check
 
+    def _claim_changed(self, mechanism) -> None:
+        """The optimizer's noise multiplier or clipping bounds changed: the next steps claim the new values."""
+        claims = layer_claims_of(mechanism) if not self.options.input else {0: 1.0 / mechanism.noise_multiplier}
+        self.kind.set_claim(mechanism, claims)
+        if hasattr(self.path, "noise_std"):
+            self.path.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
+        self.pipeline.segment = self.record.open_claim(claims, 1.0 / mechanism.noise_multiplier)
+        self.results.claim = replace(self.results.claim, noise_multiplier=mechanism.noise_multiplier)
+
     def _alarm(self) -> None:
         result = self.result()
         if self.on_violation is not None:
@@ -248,3 +261,4 @@ class PrivacyAuditor:
             raise ValueError(f"`sampler` or `pool`: {type(error).__name__}: {error}") from error
         self.record.load_state_dict(state)
         self.pipeline.steps = int(state["steps"])
+        self._claim_changed(self.pipeline.claims.mechanism)  # the steps from here claim what the optimizer holds now

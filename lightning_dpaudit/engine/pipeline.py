@@ -1,5 +1,8 @@
 """One audited step: plant -> release -> read -> record -> check.
 
+Before planting, the step's claim is read from the optimizer (claims.py): noise and
+clipping schedules change it between steps.
+
     plant    the canary kind draws this step's canaries               (kinds/)
     release  the release path puts them through the optimizer's own   (paths/)
              clipping and noise, and leaves the un-audited update
@@ -25,8 +28,9 @@ from .readings import PendingReadings
 
 class StepPipeline:
     def __init__(self, kind, path, record: AuditRecord, *, paired: bool, check_every: int, observe_steps: Optional[int],
-                 alarm: Callable[[], None]):
-        self.kind, self.path, self.record = kind, path, record
+                 alarm: Callable[[], None], claims=None):
+        self.kind, self.path, self.record, self.claims = kind, path, record, claims
+        self.segment = 0  # the claim segment of the current claim (set when the claim changes)
         self.paired, self.check_every, self.observe_steps = paired, check_every, observe_steps
         self.alarm = alarm
         self.readings = PendingReadings()
@@ -40,10 +44,13 @@ class StepPipeline:
             return
         step, kind = self.steps, self.kind
         try:
+            if self.claims is not None:
+                self.claims.before_step(step)  # this step's claim; a new one opens its segment
+            segment = self.segment
             planted = kind.plant(step, all_in=self.paired)
             self.path.release(
                 planted, step=step, paired=self.paired,
-                read=lambda view: self.readings.add(step, kind.read(planted, view)),
+                read=lambda view: self.readings.add(step, kind.read(planted, view), segment),
                 done=self._end_step,
             )
         except BaseException:

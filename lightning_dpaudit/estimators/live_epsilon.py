@@ -263,6 +263,33 @@ class LiveEpsilon:
         entries = tuple((sigma, q, n) for _, q, n in entries)
         return self._values.get_or(("lower", entries), lambda: _prv_epsilon(entries, self.delta, self._curves().full))
 
+    def lower_bound_epsilon_scaled(self, ratio: float, history: History) -> float:
+        """The end-to-end lower bound when every step leaks `ratio` x its own claim.
+
+        Each history entry (sigma, q, n) becomes (sigma / ratio, q, n), composed by the
+        accountant's method: the lower bound of a run whose noise multiplier changes
+        (estimators.changing_claims gives the ratio). `ratio` is rounded down to the
+        `mu_resolution` grid (PRV: capped at `prv_mu_cap`), so the value is never above
+        the exact one.
+        """
+        ratio = check_nonnegative(ratio, "ratio")
+        entries = _entries(history)
+        if ratio == 0.0 or not entries:
+            return 0.0
+        if math.isinf(ratio):
+            return math.inf
+        if self.accountant == "prv" and self.prv_mu_cap is not None:
+            ratio = min(ratio, self.prv_mu_cap)
+        ratio = _round_down(ratio, self.mu_resolution)
+        scaled = tuple((s / ratio, q, n) for s, q, n in entries)
+        if self.accountant == "gdp":
+            s, q, n = scaled[-1]
+            return _gdp_epsilon(s, q, n, self.delta, upper=False)
+        if self.accountant == "rdp":
+            curves = [(self._exact_curve(s, q), n) for s, q, n in scaled]
+            return self._values.get_or(("scaled", scaled), lambda: _rdp_epsilon(curves, self._alphas(), self.delta))
+        return self._values.get_or(("scaled", scaled), lambda: _prv_epsilon(scaled, self.delta, self._exact_curve))
+
     # ------------------------------------------------------------ caches
 
     def _alphas(self) -> np.ndarray:

@@ -101,16 +101,22 @@ class FewSeeds(_NoiseBug):
 
 
 class WrongNoise(_NoiseBug):
-    """Apply ``applied_noise_multiplier`` (default: claimed * 2.5 / 3) while claiming the original."""
+    """Apply ``applied_noise_multiplier`` (default: claimed * 2.5 / 3), or ``factor`` x the claim of each step, while claiming the original."""
 
-    options = {"applied_noise_multiplier": None}
+    options = {"applied_noise_multiplier": None, "factor": None}
 
     def _prepare(self) -> None:
-        if self.applied_noise_multiplier is None:
+        if self.factor is not None:
+            if self.applied_noise_multiplier is not None:
+                raise ValueError("give `applied_noise_multiplier` or `factor`, not both")
+            if not 0.0 < float(self.factor):
+                raise ValueError(f"Unexpected value for `factor`: {self.factor}; use a number > 0")
+        elif self.applied_noise_multiplier is None:
             self.applied_noise_multiplier = self.noise_multiplier * 2.5 / 3.0
 
     def _stds(self):
-        return [self.applied_noise_multiplier * self.max_grad_norm] * len(self.params)
+        sigma = self.applied_noise_multiplier if self.factor is None else self.factor * self.noise_multiplier
+        return [sigma * self.max_grad_norm] * len(self.params)
 
 
 class MeanSensitivity(_NoiseBug):

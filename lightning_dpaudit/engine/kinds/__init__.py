@@ -41,6 +41,12 @@ def canary_kind_for(optimizer, mechanism, options, model, rng):
     probe = GradientProbe(params, sampler.pool, clip, options.canary_scale)
     return GradientCanaries(
         sampler, probe, layer_names=layer_names(params, model, optimizer),
-        layer_claims={i: float(c / (sigma * C)) for i, c in enumerate(clip)},
+        layer_claims=layer_claims_of(mechanism),
         sentinels=sentinel_positions(len(probe.pool)), noise_std=sigma * C,
     )
+
+
+def layer_claims_of(mechanism) -> dict:
+    """Claimed mu per tensor: a canary clipped to C_l under noise sigma * C is C_l / (sigma C)-GDP."""
+    scale = mechanism.noise_multiplier * mechanism.max_grad_norm
+    return {i: float(c / scale) for i, c in enumerate(mechanism.clip_bounds)}

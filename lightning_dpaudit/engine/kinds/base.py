@@ -78,6 +78,9 @@ class CanaryKind(Protocol):
 
     def finish_step(self) -> None: ...
 
+    def set_claim(self, mechanism, layer_claims: dict) -> None:
+        """The optimizer's bounds or noise changed: plant and read the next steps in the new units."""
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...

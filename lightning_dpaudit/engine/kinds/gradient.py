@@ -7,6 +7,7 @@ support: computed on the parameters' device, so a step moves nothing to the host
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .canaries import CanarySampler
@@ -35,6 +36,12 @@ class GradientCanaries:
 
     def finish_step(self) -> None:
         pass
+
+    def set_claim(self, mechanism, layer_claims: dict) -> None:
+        """Size and read the canaries of the next steps by the optimizer's new bounds and noise."""
+        self.probe.clip_bounds = np.array(mechanism.clip_bounds, dtype=float)
+        self.layer_claims = layer_claims
+        self.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "pool": [p.cpu().numpy() for p in self.probe.pool_local]}

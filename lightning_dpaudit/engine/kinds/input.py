@@ -50,6 +50,15 @@ class InputCanaryKind:
     def finish_step(self) -> None:
         self.input_probe.release()
 
+    def set_claim(self, mechanism, layer_claims: dict) -> None:
+        """Clip, weigh and read the canaries of the next steps by the optimizer's new bounds and noise."""
+        bounds = np.array(mechanism.clip_bounds, dtype=float)
+        self.probe.clip_bounds = self.input_probe.clip_bounds = bounds
+        self.input_probe.max_grad_norm = mechanism.max_grad_norm
+        self.spec.options["norm_floor"] = mechanism.max_grad_norm
+        self.layer_claims = {0: 1.0 / mechanism.noise_multiplier}
+        self.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
+
     def state_dict(self) -> dict:
         spec = self.spec
         saved = None

@@ -1,0 +1,81 @@
+"""The claim of each audited step: the noise multiplier and clipping bound(s) the optimizer uses now.
+
+Opacus's noise and clipping schedulers (`opacus.schedulers`) and user code change
+`optimizer.noise_multiplier` and `optimizer.max_grad_norm` between steps; the accountant
+composes each step's own noise multiplier. Before every audited step this reads both; when
+they changed, the canaries are sized by the new bounds and read in their units, and the
+step's observations go to the claim segment of the new claim (analysis/claim_segments.py).
+
+It also compares what the accountant recorded for the previous step with the noise
+multiplier that step used: a claim the accountant does not see (a hook that composes a
+noise multiplier of its own, a schedule that bypasses the accountant) makes the reported
+epsilon wrong whatever the noise, and is a set-up problem.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable, Optional
+
+import numpy as np
+
+from .options import Mechanism, check_claim
+
+
+def claim_of(optimizer) -> tuple:
+    """(noise multiplier, clipping bounds per tensor) as the optimizer holds them now."""
+    bounds = getattr(optimizer, "max_grad_norms", None)
+    if bounds is None:
+        bounds = [optimizer.max_grad_norm] * len(optimizer.params)
+    return optimizer.noise_multiplier, tuple(bounds)
+
+
+class StepClaims:
+    """Follows the optimizer's claim from step to step; `before_step` gives the step's mechanism."""
+
+    def __init__(self, optimizer, mechanism: Mechanism, accountant, *, on_change: Callable[[Mechanism], None],
+                 note_problem: Callable[[str, Optional[str], int], None]):
+        self.optimizer, self.mechanism, self.accountant = optimizer, mechanism, accountant
+        self.on_change, self.note_problem = on_change, note_problem
+        self._read = claim_of(optimizer)
+        self._previous_sigma: Optional[float] = None
+        self._accounted = self._accounted_steps()
+
+    def before_step(self, step: int) -> Mechanism:
+        """The mechanism this step claims; calls on_change first when it differs from the last step's."""
+        self._check_accountant(step)
+        now = claim_of(self.optimizer)
+        if now != self._read:
+            check_claim(self.optimizer)
+            sigma, bounds = now
+            self.mechanism = replace(
+                self.mechanism, clip_bounds=np.array(bounds, dtype=float), noise_multiplier=float(sigma),
+                max_grad_norm=float(self.optimizer.max_grad_norm),
+            )
+            self._read = now
+            self.on_change(self.mechanism)
+        self._previous_sigma = self.mechanism.noise_multiplier
+        return self.mechanism
+
+    def _accounted_steps(self) -> int:
+        history = getattr(self.accountant, "history", None) or []
+        return sum(int(n) for _, _, n in history)
+
+    def _check_accountant(self, step: int) -> None:
+        """The accountant's last entry, if it recorded the previous step, must carry that step's noise multiplier."""
+        if self.accountant is None or self._previous_sigma is None:
+            return
+        accounted = self._accounted_steps()
+        if accounted == self._accounted:  # nothing recorded for the previous step (not our accountant's hook)
+            return
+        self._accounted = accounted
+        recorded = float(self.accountant.history[-1][0])
+        used = self._previous_sigma
+        if not math.isclose(recorded, used, rel_tol=1e-6):
+            self.note_problem("claim_unaccounted", (
+                f"the accountant composed noise multiplier {recorded:.4g} for step {step}, but the optimizer used "
+                f"{used:.4g} (its noise_multiplier then): the accountant's epsilon is not the run's. Fix: let the "
+                "step hook make_private attached read optimizer.noise_multiplier at every step, and change the noise "
+                "only through optimizer.noise_multiplier (opacus.schedulers do)."
+            ), step)
