@@ -35,7 +35,11 @@ def release_path_for(optimizer) -> type:
             "cannot enter its clipping. Use grad_sample_mode='hooks' (the default) for an audited run."
         )
     if "AdaClipDPOptimizer" in families:
-        raise TypeError("AdaClipDPOptimizer adapts its clipping bound to the batch; canary rows would bias it")
+        raise TypeError(
+            "AdaClipDPOptimizer adapts its clipping bound from the share of per-sample norms under it, counted in "
+            "clip_and_accumulate: canary rows would enter that count. Audit with a fixed max_grad_norm, or a "
+            "clipping schedule from opacus.schedulers (the audit follows it step by step)."
+        )
     if dist.is_reducing(optimizer) and dist.world_size() > 1:
         return ReducedRelease
     return PerSampleRelease
