@@ -47,17 +47,6 @@ def test_failure_message_is_readable():
         audit_optimizer(bug="no-noise", steps=200)
 
 
-@pytest.fixture
-def one_thread():
-    # Two intra-op threads on two cores that other work shares wait for each other; one is faster.
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("bug,options,first_repeat", [
     ("reseeded-resume", {"resume_at": 120}, (121, 1)),  # a resume after 120 steps re-seeds the noise generator
     ("reseed-each-epoch", {}, (30, 1)),  # digits at batch 64: 29 steps per epoch

@@ -176,16 +176,6 @@ def test_callable_alert_receives_the_result_once(tmp_path):
 # ------------------------------------------------------------------ checkpoint and resume
 
 
-@pytest.fixture
-def one_thread():
-    # Deterministic training: with several intra-op threads, CPU kernels may sum in a
-    # different order when the machine is loaded, which changes the last float bits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _resume_run(tmp_path, *, total, interrupt, bug=None):
     """(uninterrupted callback, resumed callback) for the same deterministic training."""
     alerts_a, alerts_b = [], []

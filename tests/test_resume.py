@@ -21,16 +21,8 @@ from torch.utils.data import DataLoader, Subset
 from lightning_dpaudit import DPAuditCallback
 from lightning_dpaudit.integrations.digits import digits_dataset
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"), pytest.mark.usefixtures("one_thread")]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two intra-op threads on two cores that other work shares wait for each other; one is faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 TRAIN, BATCH = 512, 64  # 8 steps per epoch
 FIRST_EPOCHS, RESUMED_EPOCHS = 40, 2  # 320 steps, then the resume trains 16 more

@@ -21,6 +21,8 @@ from lightning_dpaudit.engine.options import find_accountant
 from lightning_dpaudit.estimators.changing_claims import mixture_mu, ratio_lower_bound
 from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SIGMA = 2.0
 SCHEDULES = {
     "StepNoise": lambda o: schedulers.StepNoise(o, step_size=5, gamma=0.8),
@@ -31,13 +33,6 @@ SCHEDULES = {
     "LambdaGradClip": lambda o: schedulers.LambdaGradClip(o, scheduler_function=lambda epoch: 1.0 / (1 + epoch)),
 }
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(schedule=None, *, steps=1000, bug=None, seed=0, **bug_options):
