@@ -65,9 +65,11 @@ class ResultAssembler:
         counts = monitor.group_counts()
         groups = [POOLED, *range(len(layer_names))]
         mus = self.mu_lower(np.array([counts[g] for g in groups]))
-        changed = len(monitor.segments) > 1
-        if changed:  # pooled over claims: the certified ratio, in the current claim's units
-            mus = np.array([monitor.claims[g] * claim_ratio(mu, monitor, g) for g, mu in zip(groups, mus)])
+        ratio = None  # actual / claimed mu, where the claim changed during the run
+        if len(monitor.segments) > 1:  # pooled over claims: the certified ratio, in the current claim's units
+            ratios = [claim_ratio(mu, monitor, g) for g, mu in zip(groups, mus)]
+            mus = np.array([monitor.claims[g] * r for g, r in zip(groups, ratios)])
+            ratio = ratios[0]
         mu_step = float(mus[0])
         anytime = monitor.refresh_bounds()
         layers = []
@@ -87,7 +89,6 @@ class ResultAssembler:
         tp, fn, fp, tn = counts[POOLED]
         violating = tuple(group_name(g, layer_names) for g in sorted(monitor.first_violation))
         first = min(monitor.first_violation.values()) if monitor.first_violation else None
-        ratio = mu_step / monitor.claims[POOLED] if changed else None
         eps_accountant, eps_lower = self.end_to_end(mu_step, accountant, ratio) if accounting else (math.nan, math.nan)
         findings = diagnose(
             self.evidence(record, layer_names, anytime), violation=bool(violating), first_violation_step=first,

@@ -31,7 +31,7 @@ from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
 from .claims import StepClaims
-from .kinds import ALL_KIND_NAMES, canary_kind_for, layer_claims_of
+from .kinds import ALL_KIND_NAMES, canary_kind_for
 from .kinds.input_probe import check_input_model
 from .options import BATCHED_CHECK_EVERY, Mechanism, check_accountant, check_claim, find_accountant, validate
 from .paths import PathSettings, release_path_for
@@ -203,11 +203,10 @@ class PrivacyAuditor:
 
     def _claim_changed(self, mechanism) -> None:
         """The optimizer's noise multiplier or clipping bounds changed: the next steps claim the new values."""
-        claims = layer_claims_of(mechanism) if not self.options.input else {0: 1.0 / mechanism.noise_multiplier}
-        self.kind.set_claim(mechanism, claims)
+        self.kind.set_claim(mechanism)
         if hasattr(self.path, "noise_std"):
             self.path.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
-        self.pipeline.segment = self.record.open_claim(claims, 1.0 / mechanism.noise_multiplier)
+        self.pipeline.segment = self.record.open_claim(self.kind.layer_claims, 1.0 / mechanism.noise_multiplier)
         self.results.claim = replace(self.results.claim, noise_multiplier=mechanism.noise_multiplier)
 
     def _alarm(self) -> None:

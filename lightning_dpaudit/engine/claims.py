@@ -39,12 +39,14 @@ class StepClaims:
         self.optimizer, self.mechanism, self.accountant = optimizer, mechanism, accountant
         self.on_change, self.note_problem = on_change, note_problem
         self._read = claim_of(optimizer)
-        self._previous_sigma: Optional[float] = None
-        self._accounted = self._accounted_steps()
+        self._stepped = False  # a step ran since attach: self.mechanism is the claim it used
+        self._accounted = self._last_entry()
 
     def before_step(self, step: int) -> Mechanism:
         """The mechanism this step claims; calls on_change first when it differs from the last step's."""
-        self._check_accountant(step)
+        if self._stepped:
+            self._check_accountant(step)
+        self._stepped = True
         now = claim_of(self.optimizer)
         if now != self._read:
             check_claim(self.optimizer)
@@ -55,23 +57,27 @@ class StepClaims:
             )
             self._read = now
             self.on_change(self.mechanism)
-        self._previous_sigma = self.mechanism.noise_multiplier
         return self.mechanism
 
-    def _accounted_steps(self) -> int:
+    def _last_entry(self) -> tuple:
+        """(entries, the last one) of the accountant's history: it changes when the accountant records a step.
+
+        Opacus merges a step into the last entry when its parameters are the same, so the
+        history has an entry per change of claim, and this reads one entry, not all of them.
+        """
         history = getattr(self.accountant, "history", None) or []
-        return sum(int(n) for _, _, n in history)
+        return (len(history), tuple(history[-1])) if history else (0, None)
 
     def _check_accountant(self, step: int) -> None:
         """The accountant's last entry, if it recorded the previous step, must carry that step's noise multiplier."""
-        if self.accountant is None or self._previous_sigma is None:
+        if self.accountant is None:
             return
-        accounted = self._accounted_steps()
+        accounted = self._last_entry()
         if accounted == self._accounted:  # nothing recorded for the previous step (not our accountant's hook)
             return
         self._accounted = accounted
         recorded = float(self.accountant.history[-1][0])
-        used = self._previous_sigma
+        used = self.mechanism.noise_multiplier  # not yet updated: the previous step's claim
         if not math.isclose(recorded, used, rel_tol=1e-6):
             self.note_problem("claim_unaccounted", (
                 f"the accountant composed noise multiplier {recorded:.4g} for step {step}, but the optimizer used "

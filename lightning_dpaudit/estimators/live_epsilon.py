@@ -241,10 +241,9 @@ class LiveEpsilon:
         """
         mu_step = check_nonnegative(mu_step, "mu_step")
         entries = _entries(history)
-        if mu_step == 0.0 or not entries:
-            return 0.0
-        if math.isinf(mu_step):
-            return math.inf
+        edge = _edge_bound(mu_step, entries)
+        if edge is not None:
+            return edge
         if self.accountant == "gdp":
             _, q, n = entries[-1]
             return _gdp_epsilon(1.0 / mu_step, q, n, self.delta, upper=False)
@@ -274,10 +273,9 @@ class LiveEpsilon:
         """
         ratio = check_nonnegative(ratio, "ratio")
         entries = _entries(history)
-        if ratio == 0.0 or not entries:
-            return 0.0
-        if math.isinf(ratio):
-            return math.inf
+        edge = _edge_bound(ratio, entries)
+        if edge is not None:
+            return edge
         if self.accountant == "prv" and self.prv_mu_cap is not None:
             ratio = min(ratio, self.prv_mu_cap)
         ratio = _round_down(ratio, self.mu_resolution)
@@ -286,8 +284,8 @@ class LiveEpsilon:
             s, q, n = scaled[-1]
             return _gdp_epsilon(s, q, n, self.delta, upper=False)
         if self.accountant == "rdp":
-            curves = [(self._exact_curve(s, q), n) for s, q, n in scaled]
-            return self._values.get_or(("scaled", scaled), lambda: _rdp_epsilon(curves, self._alphas(), self.delta))
+            return self._values.get_or(("scaled", scaled), lambda: _rdp_epsilon(
+                [(self._exact_curve(s, q), n) for s, q, n in scaled], self._alphas(), self.delta))
         return self._values.get_or(("scaled", scaled), lambda: _prv_epsilon(scaled, self.delta, self._exact_curve))
 
     # ------------------------------------------------------------ caches
@@ -304,6 +302,15 @@ class LiveEpsilon:
         if self._fast_curves is None:
             self._fast_curves = _Curves(self._alphas())
         return self._fast_curves
+
+
+def _edge_bound(leak: float, entries) -> Optional[float]:
+    """The lower bound where it needs no composition: 0 with no leak or no steps, inf for an unbounded leak."""
+    if leak == 0.0 or not entries:
+        return 0.0
+    if math.isinf(leak):
+        return math.inf
+    return None
 
 
 def _round_down(mu: float, resolution: float) -> float:

@@ -10,7 +10,7 @@ from ..names import layer_names
 from ..probe import GradientProbe
 from .base import sentinel_positions
 from .canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
-from .gradient import GradientCanaries
+from .gradient import GradientCanaries, layer_claims_of
 from .input import InputCanaryKind
 from .input_canaries import INPUT_KINDS
 from .input_probe import InputProbe
@@ -44,9 +44,3 @@ def canary_kind_for(optimizer, mechanism, options, model, rng):
         layer_claims=layer_claims_of(mechanism),
         sentinels=sentinel_positions(len(probe.pool)), noise_std=sigma * C,
     )
-
-
-def layer_claims_of(mechanism) -> dict:
-    """Claimed mu per tensor: a canary clipped to C_l under noise sigma * C is C_l / (sigma C)-GDP."""
-    scale = mechanism.noise_multiplier * mechanism.max_grad_norm
-    return {i: float(c / scale) for i, c in enumerate(mechanism.clip_bounds)}

@@ -78,8 +78,8 @@ class CanaryKind(Protocol):
 
     def finish_step(self) -> None: ...
 
-    def set_claim(self, mechanism, layer_claims: dict) -> None:
-        """The optimizer's bounds or noise changed: plant and read the next steps in the new units."""
+    def set_claim(self, mechanism) -> None:
+        """The optimizer's bounds or noise changed: plant and read the next steps in the new units (and claims)."""
 
     def state_dict(self) -> dict: ...
 

@@ -37,10 +37,10 @@ class GradientCanaries:
     def finish_step(self) -> None:
         pass
 
-    def set_claim(self, mechanism, layer_claims: dict) -> None:
+    def set_claim(self, mechanism) -> None:
         """Size and read the canaries of the next steps by the optimizer's new bounds and noise."""
         self.probe.clip_bounds = np.array(mechanism.clip_bounds, dtype=float)
-        self.layer_claims = layer_claims
+        self.layer_claims = layer_claims_of(mechanism)
         self.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
 
     def state_dict(self) -> dict:
@@ -50,3 +50,9 @@ class GradientCanaries:
         self.sampler.load_state_dict(state["sampler"])
         if "pool" in state:
             self.probe.set_pool(state["pool"])
+
+
+def layer_claims_of(mechanism) -> dict:
+    """Claimed mu per tensor: a canary clipped to C_l under noise sigma * C is C_l / (sigma C)-GDP."""
+    scale = mechanism.noise_multiplier * mechanism.max_grad_norm
+    return {i: float(c / scale) for i, c in enumerate(mechanism.clip_bounds)}

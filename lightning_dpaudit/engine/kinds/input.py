@@ -50,7 +50,7 @@ class InputCanaryKind:
     def finish_step(self) -> None:
         self.input_probe.release()
 
-    def set_claim(self, mechanism, layer_claims: dict) -> None:
+    def set_claim(self, mechanism) -> None:
         """Clip, weigh and read the canaries of the next steps by the optimizer's new bounds and noise."""
         bounds = np.array(mechanism.clip_bounds, dtype=float)
         self.probe.clip_bounds = self.input_probe.clip_bounds = bounds
