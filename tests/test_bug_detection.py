@@ -4,6 +4,8 @@ Each run is a seeded digits-CNN training of at most 1,000 steps, so every outcom
 is deterministic; the false-failure rates quoted are those of a fresh seed.
 """
 
+import re
+
 import pytest
 
 from lightning_dpaudit.testing import PrivacyAuditFailure, audit_optimizer
@@ -59,3 +61,50 @@ def test_reseeded_noise_is_flagged_at_the_first_replayed_step(bug, options, firs
     assert result.first_noise_repeat == first_repeat and result.first_violation_step == first_repeat[0]
     assert result.violating_layers == ("noise repeats",) and result.steps == first_repeat[0]
     assert "noise_repeats" in [finding.code for finding in result.findings]
+
+
+# Noise that keeps every step's size but is not fresh. Seeded runs (deterministic); the
+# steps below are several times the steps these runs take (5, 12, 307: bench/freshness.py).
+@pytest.mark.parametrize("options,within", [
+    ({"correlation": 0.8}, 50),  # lag 1
+    ({"correlation": 0.3}, 500),  # lag 1
+    ({"correlation": 0.5, "lag": 300}, 1000),  # the noise of the step 300 back
+])
+def test_correlated_noise_is_flagged_with_its_lag_and_correlation(options, within, one_thread):
+    from lightning_dpaudit.bugs import inject_bug
+    from lightning_dpaudit.testing import train_audited
+
+    result = train_audited(steps=within, transform=lambda opt: inject_bug(opt, "correlated-noise", **options),
+                           stop_on_violation=True)
+    assert result.violation and result.first_violation_step <= within
+    assert result.violating_layers == ("noise correlated",)
+    (finding,) = result.findings
+    lag, a = options.get("lag", 1), options["correlation"]
+    step = result.first_violation_step
+    assert finding.code == "noise_correlated" and finding.first_step == step and finding.claimed == 0.0
+    assert f"the noise of step {step} is correlated with step {step - lag}'s, {lag} step{'s' * (lag > 1)} back" in finding.message
+    low, high = (float(v) for v in re.search(r"95% CI (-?[\d.]+) to (-?[\d.]+)", finding.message).groups())
+    assert 0 < low <= a <= high and low <= finding.measured <= high
+    assert f"over {step - lag} pairs of steps {lag} apart" in finding.message
+    assert "noise momentum" in finding.message and "fix: draw every step's noise fresh" in finding.message
+
+
+def test_antithetic_noise_is_flagged_as_a_negated_repeat_within_10_steps(one_thread):
+    from lightning_dpaudit.bugs import inject_bug
+    from lightning_dpaudit.testing import train_audited
+
+    result = train_audited(steps=10, transform=lambda opt: inject_bug(opt, "antithetic-noise"), stop_on_violation=True)
+    assert result.violation and result.first_violation_step <= 10
+    assert result.first_noise_repeat == (2, 1) and result.violating_layers[0] == "noise repeats"
+    finding = result.findings[0]
+    assert finding.code == "noise_repeats" and "the noise of step 2 repeats the negation of step 1's" in finding.message
+    assert "antithetic noise" in finding.message
+
+
+def test_correct_opacus_stays_fresh_for_1000_steps(one_thread):
+    # Both freshness tests together false-alarm with probability <= 0.0005 + 1e-6 per run
+    # (their share of the 5% budget); the canaries' alarm with <= 5%.
+    from lightning_dpaudit.testing import train_audited
+
+    result = train_audited(steps=1000, seed=5)
+    assert not result.violation and result.steps == 1000 and result.noise_repeats == 0

@@ -19,6 +19,7 @@ from lightning_dpaudit.bugs import BUGS, inject_bug, list_bugs
 NAMES = [
     "batch-clipping", "few-seeds", "wrong-noise", "mean-sensitivity", "no-noise",
     "no-clipping", "reused-noise", "unnoised-layer", "half-noise-last-layer", "reseeded-resume", "reseed-each-epoch",
+    "antithetic-noise", "correlated-noise",
 ]
 OPTIONS = {"reseed-each-epoch": {"epoch_steps": 3}}  # make() builds no accountant hook to read the epoch from
 D = 3000  # coordinates per parameter tensor
@@ -314,6 +315,37 @@ def test_reseeded_resume_replays_the_first_steps_after_the_resume():
     assert len({tuple(n.tolist()) for n in noise[:300]}) == 300
     with pytest.raises(ValueError, match="resume_at must be >= 1"):
         inject_bug(make()[1], "reseeded-resume", resume_at=0)
+
+
+def test_antithetic_noise_negates_every_second_step():
+    model, opt = make(nm=1.0, c=1.0)
+    inject_bug(opt, "antithetic-noise")
+    noise = _noises(model, opt, 6)
+    assert all(torch.equal(noise[i + 1], -noise[i]) for i in (0, 2, 4))
+    assert not torch.equal(noise[2].abs(), noise[0].abs()) and not torch.equal(noise[4].abs(), noise[2].abs())
+    assert_std(torch.cat(noise), 1.0)  # each step's noise alone looks right
+
+
+# Correlation checks: the sample correlation of m = 6000 pairs has sd <= 1/sqrt(m) ~ 0.013;
+# a 0.06 tolerance is > 4.6 sd, so a correct bug fails with probability < 1e-5.
+def _correlation(a, b):
+    return float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+
+
+@pytest.mark.parametrize("correlation,lag", [(0.8, 1), (0.3, 1), (-0.5, 3)])
+def test_correlated_noise_has_the_right_size_and_correlation(correlation, lag):
+    model, opt = make(nm=2.0, c=1.0)
+    inject_bug(opt, "correlated-noise", **({} if (correlation, lag) == (0.8, 1) else {"correlation": correlation, "lag": lag}))
+    noise = _noises(model, opt, lag + 4)
+    assert_std(torch.cat(noise), 2.0)
+    for t in range(lag, lag + 4):
+        assert _correlation(noise[t], noise[t - lag]) == pytest.approx(correlation, abs=0.06)
+    if lag > 1:
+        assert abs(_correlation(noise[lag + 1], noise[lag])) < 0.06  # only `lag` steps back
+    with pytest.raises(ValueError, match="`correlation`: 1.5"):
+        inject_bug(make()[1], "correlated-noise", correlation=1.5)
+    with pytest.raises(ValueError, match="`lag`: 0"):
+        inject_bug(make()[1], "correlated-noise", lag=0)
 
 
 def test_reseed_each_epoch_replays_the_first_epoch():

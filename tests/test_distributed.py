@@ -56,6 +56,9 @@ def test_ddp_bug_zoo_is_flagged_and_a_correct_run_is_not(tmp_path):
     assert [p[0] for p in first["noise-on-other-rank"]["problems"]] == ["noise_placement"]
     assert first["noise-over-world-size"]["mu_lower_bound"] > 1.5  # the noise is half the claim: mu near 2
     assert "noise repeats" in first["reused-noise"]["violating"]
+    # noise of the right size that is not fresh: negated every second step, or correlated 0.8 with the step before
+    assert first["antithetic-noise"]["first_violation_step"] <= 10 and "noise repeats" in first["antithetic-noise"]["violating"]
+    assert first["correlated-noise"]["first_violation_step"] <= 50 and first["correlated-noise"]["violating"] == ["noise correlated"]
 
 
 def test_plain_dp_optimizer_in_a_job_of_two_processes_alarms_at_attach_on_every_rank(setups):

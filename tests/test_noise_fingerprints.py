@@ -126,6 +126,22 @@ def test_flipped_signs_are_tolerated_but_weak_correlation_is_not_a_match():
     assert fps.matches == 2 and fps.last_repeat == (3003, 100)
 
 
+def test_negated_replays_are_found_and_named_as_such():
+    rng = np.random.default_rng(16)
+    noise = _fresh(rng, 4_000)
+    noise[3_500] = _replay(rng, noise[40], -0.7)  # the noise of step 40, negated, 3,460 steps later
+    noise[3_501] = _replay(rng, noise[41], 1.3)  # an exact repeat right after
+    fps = NoiseFingerprints()
+    found = {i: fps.check(noise[i], i) for i in range(len(noise))}
+    assert {i: e for i, e in found.items() if e is not None} == {3_500: 40, 3_501: 41}
+    assert fps.first_repeat == (3_500, 40) and fps.first_negated
+    assert fps.last_repeat == (3_501, 41) and not fps.last_negated
+    again = NoiseFingerprints()
+    again.load_state_dict(fps.state_dict())
+    assert again.first_negated and not again.last_negated
+    assert again.check(-noise[7], 4_000) == 7 and again.last_negated
+
+
 def test_saved_state_is_about_16_bytes_per_step():
     rng = np.random.default_rng(15)
     noise = _fresh(rng, 2_400)
@@ -163,14 +179,14 @@ def test_thresholds_decrease_and_spend_at_most_alpha():
     spent = 0.0
     for k in np.unique(h[1:]):
         ts = t[1:][h[1:] == k]
-        spent += float(np.sum(ts - 1.0)) * float(cdf[int(k)])
+        spent += float(np.sum(2.0 * (ts - 1.0))) * float(cdf[int(k)])  # each earlier step and its negation
     assert spent <= alpha
     assert spent >= alpha / 10  # the budget is used, not thrown away
     # each h(t) is the largest allowed: one more would exceed the step's budget
     for s in (2, 10, 1000, 10**5, 10**6):
         k = int(h[s - 1])
         budget = Fraction(alpha) * 6 / (Fraction(math.pi) ** 2 * s * s)
-        assert (s - 1) * cdf[k] <= budget < (s - 1) * cdf[k + 1]
+        assert 2 * (s - 1) * cdf[k] <= budget < 2 * (s - 1) * cdf[k + 1]
 
 
 def test_bad_input_is_rejected_and_the_module_imports_no_torch():

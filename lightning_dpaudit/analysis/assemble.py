@@ -22,7 +22,7 @@ from .. import estimators as est
 from ..estimators.changing_claims import ratio_lower_bound
 from ..estimators.live_epsilon import LiveEpsilon
 from .findings import Evidence, diagnose
-from .monitor import POOLED, REPEATS, SETUP
+from .monitor import CORRELATED, POOLED, REPEATS, SETUP
 from .record import AuditRecord
 from .results import AuditResult, LayerAudit
 
@@ -138,6 +138,8 @@ class ResultAssembler:
             mu_anytime=dict(anytime),
             first_repeat=record.fingerprints.first_repeat,
             repeats=record.fingerprints.matches,
+            first_negated=record.fingerprints.first_negated,
+            correlation=record.correlation.evidence(claim.confidence),
             batch_size=claim.batch_size,
             canary_scale=claim.canary_scale,
         )
@@ -184,6 +186,8 @@ def group_name(group: int, layer_names) -> str:
         return "pooled"
     if group == REPEATS:
         return "noise repeats"
+    if group == CORRELATED:
+        return "noise correlated"
     if group == SETUP:
         return "distributed set-up"
     return layer_names[group]

@@ -20,8 +20,10 @@ layer        the same two tests on each tensor: the tensors with evidence are na
              lies apart from the named tensors' (no overlap); a tensor whose own
              alarm fired while neither test nor a noise repeat explains it and the
              others raised none is named too.
-noise_repeats the fingerprint test found a step whose noise repeats an earlier one
-             (its own false-match budget, 1e-6 over the run).
+noise_repeats the fingerprint test found a step whose noise repeats an earlier one, or
+             its negation (its own false-match budget, 1e-6 over the run).
+noise_correlated the correlation test found a lag within the last 512 steps at which the
+             noise is correlated (freshness_findings.py; its budget, 1% of alpha).
 general      a violation none of these explains.
 
 Error budget: the m interval tests (pooled noise and clipping, and per tensor when there
@@ -43,10 +45,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 from scipy.special import chdtri, stdtrit  # chi-square upper quantile, Student t quantile
 
+from .freshness_findings import correlated
 from .monitor import POOLED
+from .noise_correlation import Correlation
 from .results import Finding
 
-CODES = ("noise_scale", "clipping", "noise_repeats", "layer", "general")
+CODES = ("noise_scale", "clipping", "noise_repeats", "noise_correlated", "layer", "general")
 ROUNDING = 1e-3  # float32 clip factors C / (norm + 1e-6) and sums: a clipped canary adds 1 within this
 SLACK = 1.05  # a hinted ratio may lie this factor outside the interval
 NAMED = 4  # tensors listed by name in a message
@@ -74,6 +78,8 @@ class Evidence:
     mu_anytime: Dict[int, float] = field(default_factory=dict)
     first_repeat: Optional[Tuple[int, int]] = None
     repeats: int = 0
+    first_negated: bool = False  # the first repeat is of the negated noise
+    correlation: Optional[Correlation] = None  # the correlation test's crossed lag (noise_correlation.py)
     batch_size: Optional[int] = None
     canary_scale: float = 2.0
 
@@ -96,6 +102,8 @@ def diagnose(ev: Evidence, *, violation: bool, first_violation_step: Optional[in
     own = []
     if ev.first_repeat is not None:
         own.append(_repeats(ev))
+    if ev.correlation is not None:
+        own.append(correlated(ev.correlation))
     if ev.gradient:
         own += _moment_findings(ev, first_violation_step)
     if not own and not found:
@@ -298,11 +306,14 @@ def _alarm_layer(ev: Evidence, alarmed) -> Finding:
 
 def _repeats(ev: Evidence) -> Finding:
     step, earlier = ev.first_repeat
+    what = "the negation of " if ev.first_negated else ""
     return Finding(
         code="noise_repeats",
         message=(
-            f"the noise of step {step} repeats step {earlier}'s ({ev.repeats} repeating step{'s' * (ev.repeats != 1)}): "
-            "the noise generator is re-seeded (on resume, or in a hook such as an epoch hook) or seeded alike every "
+            f"the noise of step {step} repeats {what}step {earlier}'s ({ev.repeats} repeating step{'s' * (ev.repeats != 1)}): "
+            + ("the noise is negated and added again (antithetic noise: the two releases' sum carries no noise), or "
+               if ev.first_negated else "")
+            + "the noise generator is re-seeded (on resume, or in a hook such as an epoch hook) or seeded alike every "
             "step; fix: secure_mode=True in PrivacyEngine, or give make_private its own noise_generator and save and "
             "restore that generator's state with the checkpoint"
         ),

@@ -8,7 +8,7 @@ the alarm for a group the first time the bound exceeds that group's claimed mu.
 Error budget: alpha = 1 - confidence, split Bonferroni-style: half for the pooled test,
 half shared equally by the per-tensor tests (all of it to the pooled test when there is
 one tensor). A `reserved` part of the pooled half goes to tests run outside the monitor
-(the noise-repeat test), which report through `flag`. With each group's confidence
+(the noise-repeat and noise-correlation tests), which report through `flag`. With each group's confidence
 sequence valid uniformly over time, a correct implementation raises any alarm with
 probability <= alpha over the whole run.
 """
@@ -25,6 +25,7 @@ from ..estimators.sequential import anytime_mu_lower
 
 POOLED = -1
 REPEATS = -2  # the noise-repeat test (NoiseFingerprints), flagged by the auditor
+CORRELATED = -4  # the noise-correlation test (NoiseCorrelation), flagged by the record
 SETUP = -3  # set-up problems found with certainty outside the canaries (distributed.py), flagged by the auditor
 
 

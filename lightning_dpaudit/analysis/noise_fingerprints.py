@@ -1,4 +1,4 @@
-"""Noise freshness: find steps whose noise repeats an earlier step's, at any distance.
+"""Noise freshness: find steps whose noise repeats an earlier step's, or its negation, at any distance.
 
 Each step the auditor measures the noise on a fixed set of `bits` sentinel coordinates
 (released update minus the data's clipped sum minus the canaries' known contribution).
@@ -13,12 +13,13 @@ probability exactly 1/2, independently across coordinates, whatever the scale `s
 may change from step to step). The fingerprint F_t of the t-th recorded step is
 therefore uniform on {0, 1}^bits and independent of F_1, ..., F_{t-1}; for any j < t,
 F_t xor F_j is uniform too, so the Hamming distance d(F_t, F_j) is exactly
-Binomial(bits, 1/2).
+Binomial(bits, 1/2), and so is d(not F_t, F_j), the distance to the negated noise's signs.
 
 Union bound, valid at every step. At the t-th recorded step there are t - 1 earlier
-fingerprints. The threshold h(t) is the largest h with
+fingerprints, each compared with F_t and with its negation. The threshold h(t) is the
+largest h with
 
-    (t - 1) * P[Binomial(bits, 1/2) <= h] <= alpha * 6 / (pi^2 t^2),
+    2 (t - 1) * P[Binomial(bits, 1/2) <= h] <= alpha * 6 / (pi^2 t^2),
 
 so under fresh noise a false match at step t has probability at most
 alpha * 6 / (pi^2 t^2). These budgets sum to alpha over t = 1, 2, ... (sum 1/t^2 =
@@ -26,13 +27,14 @@ pi^2 / 6), hence the probability that a correct run reports any match, ever, is 
 alpha. The thresholds depend only on t, never on the data, and the bound covers the
 whole unbounded run at once: reading `matches` after every step and stopping at any
 time does not raise it. `t` counts recorded steps, so gaps in the step labels the
-caller passes do not matter. For 128 bits and alpha = 1e-6, h(t) is 30 at t = 10, 20 at
+caller passes do not matter. For 128 bits and alpha = 1e-6, h(t) is 29 at t = 10, 19 at
 t = 10^3, 12 at t = 10^5 and 9 at t = 10^6.
 
 Band index. Comparing with every earlier step would cost O(t) per step. The fingerprint
 is cut into 32-bit bands (4 for 128 bits); for each band an open-addressing hash table
 maps a band value to the earliest recorded step having it (4 bytes a slot, kept at most
-half full). Only the steps found through some band are compared in full. This only
+half full). The negation is looked up with the complemented bands, without being
+inserted. Only the steps found through some band are compared in full. This only
 removes comparisons: every reported match still has d <= h(t), so the false-match bound
 above holds unchanged. Under fresh noise two steps share a band with probability
 2^-32, so candidates are rare and a lookup is O(1).
@@ -41,9 +43,11 @@ What is found. Replayed noise c * z (c > 0), up to float rounding, has the same 
 except where a value is within rounding of zero, so d is tiny. A replay is found when
 one band is unchanged: always if fewer signs flipped than there are bands (pigeonhole),
 and otherwise with probability about 1 - (1 - (1 - p)^32)^bands for a flip rate p.
-Noise negated on replay (c < 0) flips every sign and is not matched; noise only partly
+Noise negated on replay (c < 0) flips every sign and is found the same way, as a
+negated repeat (`first_negated`); noise only partly
 reused is rarely matched (correlation 0.99 with an earlier step is found about 60% of
-the time, 0.95 about 12%, 0.9 about 4%).
+the time, 0.95 about 12%, 0.9 about 4%): that is the correlation test's
+(noise_correlation.py), within its window of recent steps.
 
 Memory. The saved state is the fingerprints (bits / 8 bytes a step) plus the step
 labels, stored as arithmetic runs of 24 bytes (one run in all when the recorded steps
@@ -86,7 +90,8 @@ class NoiseFingerprints:
         logcdf = binom.logcdf(np.arange(bits + 1), bits, 0.5)
         self._logcdf = np.asarray(logcdf, dtype=np.float64)
         self._logcdf_list = self._logcdf.tolist()
-        self._log_alpha = math.log(self.alpha * 6.0 / math.pi**2)
+        self._log_alpha = math.log(self.alpha * 3.0 / math.pi**2)  # 6 / pi^2, halved: a step and its negation
+        self._ones = (1 << bits) - 1
         self._reset()
 
     # ----------------------------------------------------------------- thresholds
@@ -134,40 +139,43 @@ class NoiseFingerprints:
         if self._n and step <= self._last_step:
             raise ValueError(f"step {step} does not follow the last recorded step {self._last_step}")
         fp = self.fingerprint(noise)
+        negative = fp ^ self._ones
         h = self._threshold_at(self._n + 1)
-        tables, mask, shift = self._tables, self._mask, self._shift
-        found = -1
-        free_slots = []
+        found, negated, free_slots = -1, False, []
         for b in range(self.bands):
             key = (fp >> (self.BAND_BITS * b)) & _M32
-            slot = ((key * _GOLDEN) & _M64) >> shift
-            table = tables[b]
-            while True:
-                row = int(table[slot])
-                if row < 0:
-                    free_slots.append(slot)
-                    break
-                if self._band(row, b) == key:
-                    free_slots.append(-1)
-                    if (found < 0 or row < found) and (fp ^ self._row_int(row)).bit_count() <= h:
-                        found = row
-                    break
-                slot = (slot + 1) & mask
+            row, slot = self._probe(b, key)
+            free_slots.append(slot if row < 0 else -1)
+            if row >= 0 and (found < 0 or row < found) and (fp ^ self._row_int(row)).bit_count() <= h:
+                found, negated = row, False
+            row, _ = self._probe(b, key ^ _M32)  # the band of the negated noise
+            if row >= 0 and (found < 0 or row < found) and (negative ^ self._row_int(row)).bit_count() <= h:
+                found, negated = row, True
         row = self._append(fp, step)
         for b, slot in enumerate(free_slots):
             if slot >= 0:
-                tables[b, slot] = row
+                self._tables[b, slot] = row
                 self._entries[b] += 1
-        if 2 * max(self._entries) > tables.shape[1]:
+        if 2 * max(self._entries) > self._tables.shape[1]:
             self._rebuild_index()
         if found < 0:
             return None
         earlier = self._step_of(found)
         self.matches += 1
-        self.last_repeat = (step, earlier)
+        self.last_repeat, self.last_negated = (step, earlier), negated
         if self.first_repeat is None:
-            self.first_repeat = self.last_repeat
+            self.first_repeat, self.first_negated = self.last_repeat, negated
         return earlier
+
+    def _probe(self, b: int, key: int) -> tuple:
+        """(earliest row whose band b is `key`, or -1; the slot it is in, or the free slot that ends the probe)."""
+        table, mask = self._tables[b], self._mask
+        slot = ((key * _GOLDEN) & _M64) >> self._shift
+        while True:
+            row = int(table[slot])
+            if row < 0 or self._band(row, b) == key:
+                return row, slot
+            slot = (slot + 1) & mask
 
     def __len__(self) -> int:
         return self._n
@@ -185,6 +193,7 @@ class NoiseFingerprints:
         self.matches = 0
         self.first_repeat: Optional[tuple[int, int]] = None
         self.last_repeat: Optional[tuple[int, int]] = None
+        self.first_negated = self.last_negated = False  # the repeat is of the negated noise
         self._set_slots(_MIN_SLOTS)
 
     def _set_slots(self, slots: int) -> None:
@@ -269,6 +278,8 @@ class NoiseFingerprints:
             "matches": self.matches,
             "first_repeat": self.first_repeat,
             "last_repeat": self.last_repeat,
+            "first_negated": self.first_negated,
+            "last_negated": self.last_negated,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -295,6 +306,8 @@ class NoiseFingerprints:
         self.matches = int(state.get("matches", 0))
         self.first_repeat = _pair(state.get("first_repeat"))
         self.last_repeat = _pair(state.get("last_repeat"))
+        self.first_negated = bool(state.get("first_negated", False))
+        self.last_negated = bool(state.get("last_negated", False))
         self._rebuild_index()
 
     def memory_bytes(self) -> dict:

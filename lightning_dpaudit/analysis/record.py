@@ -1,4 +1,4 @@
-"""What an audit has seen: observations, the anytime monitor, noise fingerprints and set-up problems.
+"""What an audit has seen: observations, the anytime monitor, noise freshness and set-up problems.
 
 Host-side and torch-free. The engine hands over the readings of the steps since the last
 check (`StepReading`, one per noised step) and asks, at each check, which alarms fired.
@@ -6,9 +6,11 @@ The monitor tests the counts after every step of a batch (AnytimeMonitor.advance
 the step an alarm records is the one a check after every step would record; only the
 moment the alarm is raised waits for the check.
 
-Error budget (1 - confidence): the claim segments share it (claim_segments.py); in the first,
-the noise-repeat test takes REPEAT_ALPHA of the pooled share and the monitor splits the
-rest (monitor.py).
+Error budget alpha = 1 - confidence: the claim segments share it (claim_segments.py); in
+the first, the noise-repeat test takes REPEAT_ALPHA and the noise-correlation test
+FRESHNESS_SHARE * alpha of the pooled share, and the monitor splits the rest (monitor.py).
+Both freshness tests are valid at every step over the whole run, so a correct run raises
+any alarm with probability <= alpha.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .claim_segments import SegmentedMonitor
-from .monitor import REPEATS, SETUP
+from .monitor import CORRELATED, REPEATS, SETUP
+from .noise_correlation import NoiseCorrelation
 from .noise_fingerprints import NoiseFingerprints
 from .observations import ObservationLog
 from .results import Finding
 
 SENTINELS = 128  # pool coordinates whose noise is fingerprinted every step
 REPEAT_ALPHA = 1e-6  # false-alarm budget of the noise-repeat test, taken from the pooled test's share
+FRESHNESS_SHARE = 0.01  # share of alpha taken by the noise-correlation test, from the pooled test's share
+LAGS = 512  # recent steps whose noise each step's is correlated with
 QUIET_NOISE = 1e-3  # sentinel noise below this RMS (x sigma*C) is no noise: nothing to fingerprint
 
 
@@ -51,12 +56,15 @@ class StepReading:
 
 
 class AuditRecord:
-    """The observation log, the anytime monitor, the noise fingerprints and the set-up problems of one audit."""
+    """The observation log, the anytime monitor, the noise-freshness tests and the set-up problems of one audit."""
 
     def __init__(self, layer_claims: dict, pooled_claim: float, *, confidence: float, kinds: Sequence[str], window: int):
         self.log = ObservationLog(list(kinds), window=window)
-        self.monitor = SegmentedMonitor(layer_claims, pooled_claim, confidence=confidence, reserved=REPEAT_ALPHA)
+        fresh_alpha = FRESHNESS_SHARE * (1.0 - confidence)
+        self.monitor = SegmentedMonitor(layer_claims, pooled_claim, confidence=confidence,
+                                        reserved=REPEAT_ALPHA + fresh_alpha)
         self.fingerprints = NoiseFingerprints(SENTINELS, alpha=REPEAT_ALPHA)
+        self.correlation = NoiseCorrelation(SENTINELS, lags=LAGS, alpha=fresh_alpha)
         self.problems: List[Finding] = []
         self.alerted = False
 
@@ -75,19 +83,25 @@ class AuditRecord:
             self._fingerprint(r.noise, r.step + 1)
 
     def _fingerprint(self, noise: Optional[np.ndarray], step: int) -> None:
-        """A repeat of an earlier step's noise is a violation. Steps without noise repeat nothing
-        (the canaries see the missing noise directly)."""
+        """A repeat of an earlier step's noise (or its negation), or noise correlated with a recent
+        step's, is a violation. Steps without noise repeat nothing (the canaries see the missing
+        noise directly)."""
         if noise is None or np.sqrt(np.mean(noise**2)) < QUIET_NOISE:
             return
         if self.fingerprints.check(noise, step) is not None:
             self.monitor.flag(REPEATS, step)
+        if self.correlation.check(noise, step) is not None:
+            self.monitor.flag(CORRELATED, step)
 
-    def note_problem(self, code: str, message: Optional[str], step: int) -> bool:
-        """Record a set-up problem found outside the canaries (a certainty, not a test); True when new."""
+    def note_problem(self, code: str, message: Optional[str], step: int, alarm: bool = True) -> bool:
+        """Record a set-up problem found outside the canaries (a certainty, not a test); True when new.
+
+        alarm=False: a fault that costs no privacy (reported among the findings, no violation)."""
         if not message or any(code == known.code for known in self.problems):
             return False
         self.problems.append(Finding(code, message, first_step=int(step)))
-        self.monitor.flag(SETUP, int(step))
+        if alarm:
+            self.monitor.flag(SETUP, int(step))
         return True
 
     def open_claim(self, layer_claims: dict, pooled_claim: float) -> int:
@@ -101,6 +115,7 @@ class AuditRecord:
     def state_dict(self) -> dict:
         return {
             "alerted": self.alerted,
+            "correlation": self.correlation.state_dict(),
             "fingerprints": self.fingerprints.state_dict(),
             "log": self.log.state_dict(),
             "monitor": self.monitor.state_dict(),
@@ -110,7 +125,12 @@ class AuditRecord:
     def load_state_dict(self, state: dict) -> None:
         """Restore each part; a part that cannot be read raises ValueError naming it."""
         self.alerted = bool(state.get("alerted", False))
-        for field, part in (("fingerprints", self.fingerprints), ("log", self.log), ("monitor", self.monitor)):
+        parts = [("fingerprints", self.fingerprints), ("log", self.log), ("monitor", self.monitor)]
+        if "correlation" in state:  # a state saved before the correlation test: its window starts afresh
+            parts.append(("correlation", self.correlation))
+        else:
+            self.correlation.reset()
+        for field, part in parts:
             try:
                 part.load_state_dict(state[field])
             except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:

@@ -29,7 +29,7 @@ class LayerAudit:
 class Finding:
     """One named cause of a violation, with the number that shows it.
 
-    code      noise_scale, clipping, noise_repeats, layer, general (see findings.py),
+    code      noise_scale, clipping, noise_repeats, noise_correlated, layer, general (see findings.py),
               or the code of another check that found a set-up problem
     message   one readable sentence: what was measured, its interval, the likely cause
     first_step the step the evidence first showed (the first alarm of the groups

@@ -149,6 +149,40 @@ class ReusedNoise(_NoiseBug):
         return self._reused_noise[index]
 
 
+class AntitheticNoise(_NoiseBug):
+    """Every second step adds the negation of the previous step's noise (antithetic noise: two releases' sum has none)."""
+
+    def _prepare(self) -> None:
+        self._to_negate: Dict[int, torch.Tensor] = {}
+
+    def _noise(self, index, reference, std, generator):
+        if index in self._to_negate:
+            return -self._to_negate.pop(index)
+        self._to_negate[index] = noise = super()._noise(index, reference, std, generator)
+        return noise
+
+
+class CorrelatedNoise(_NoiseBug):
+    """Noise z_t = correlation z_(t-lag) + sqrt(1 - correlation^2) fresh: the right size, correlated with lag steps back."""
+
+    options = {"correlation": 0.8, "lag": 1}
+
+    def _prepare(self) -> None:
+        if not -1.0 <= float(self.correlation) <= 1.0:
+            raise ValueError(f"Unexpected value for `correlation`: {self.correlation}; use a number in [-1, 1]")
+        if int(self.lag) < 1:
+            raise ValueError(f"Unexpected value for `lag`: {self.lag}; use an integer >= 1")
+        self._past: Dict[int, List[torch.Tensor]] = {}  # per parameter, the last `lag` steps' noise, oldest first
+
+    def _noise(self, index, reference, std, generator):
+        a, past = float(self.correlation), self._past.setdefault(index, [])
+        noise = super()._noise(index, reference, std, generator)
+        if len(past) == int(self.lag):
+            noise = a * past.pop(0) + (1.0 - a * a) ** 0.5 * noise
+        past.append(noise)
+        return noise
+
+
 class UnnoisedLayer(_NoiseBug):
     """Parameter tensor number ``layer_index`` (default: the last) gets no noise."""
 
@@ -277,6 +311,8 @@ _MIXINS = {
     "half-noise-last-layer": HalfNoiseLastLayer,
     "reseeded-resume": ReseededResume,
     "reseed-each-epoch": ReseedEachEpoch,
+    "antithetic-noise": AntitheticNoise,
+    "correlated-noise": CorrelatedNoise,
 }
 
 BUGS: Dict[str, str] = {name: m.__doc__.strip().replace("``", "") for name, m in _MIXINS.items()}
@@ -294,7 +330,8 @@ def inject_bug(optimizer: DPOptimizer, name: str, **options) -> DPOptimizer:
     """Turn ``optimizer`` into the buggy variant ``name`` in place and return it.
 
     ``options`` set bug parameters (e.g. ``num_seeds``, ``applied_noise_multiplier``,
-    ``layer_index``, ``resume_at``, ``epoch_steps``); the claimed ``noise_multiplier``/``max_grad_norm`` are left alone.
+    ``layer_index``, ``resume_at``, ``epoch_steps``, ``correlation``, ``lag``); the claimed
+    ``noise_multiplier``/``max_grad_norm`` are left alone.
     """
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError(
