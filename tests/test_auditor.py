@@ -160,28 +160,6 @@ def test_gradient_accumulation_gets_one_set_of_canaries_per_noised_step():
     assert auditor.result().n_in == 10 * K // 2
 
 
-def test_fast_gradient_clipping_is_refused():
-    model = DigitsCNN()
-    loader = torch.utils.data.DataLoader(digits_dataset(), batch_size=64)
-    engine = PrivacyEngine()
-    _, opt, _, _, _ = _ghost(engine, model, loader)
-    with pytest.raises(TypeError, match="fast \\(ghost\\) gradient clipping"):
-        PrivacyAuditor(opt)
-
-
-def _ghost(engine, model, loader):
-    model, opt, criterion, loader = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=loader,
-        criterion=torch.nn.CrossEntropyLoss(),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        grad_sample_mode="ghost",
-    )
-    return model, opt, criterion, loader, engine
-
-
 # ------------------------------------------------------------------ results and persistence
 
 

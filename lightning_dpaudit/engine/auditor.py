@@ -31,6 +31,7 @@ from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
 from .claims import StepClaims
+from .ghost import check_ghost_options
 from .kinds import ALL_KIND_NAMES, canary_kind_for
 from .kinds.input_probe import check_input_model
 from .options import BATCHED_CHECK_EVERY, Mechanism, check_accountant, check_claim, find_accountant, validate
@@ -94,6 +95,7 @@ class PrivacyAuditor:
             observation_window=observation_window, checksum_every=checksum_every,
         )
         path_class.check_options(options)
+        check_ghost_options(optimizer, options)
         if options.input:
             check_input_model(module, list(optimizer.params), options.canary)
         seed = path_class.agree_on_seed(options.seed)
@@ -127,6 +129,8 @@ class PrivacyAuditor:
             claims=StepClaims(optimizer, mechanism, self.accountant, on_change=self._claim_changed,
                               note_problem=lambda *a: self.pipeline.note_problem(*a)),
         )
+        if self.probe.ghost is not None:  # ghost clipping's own coefficient check (ghost.py)
+            self.probe.ghost.note_problem = lambda *a: self.pipeline.note_problem(*a[:2], self.pipeline.steps + 1, a[2])
         self.path.verify_start(options.canaries_per_step, seed)
         self.path.attach(self.pipeline.audited_step)
         optimizer._dpaudit_auditor = self

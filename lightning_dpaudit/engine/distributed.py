@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 # Opacus optimizers that add noise on rank 0 and reduce after add_noise
-REDUCING_OPTIMIZERS = ("DistributedDPOptimizer", "SimpleDistributedPerLayerOptimizer")
+REDUCING_OPTIMIZERS = ("DistributedDPOptimizer", "SimpleDistributedPerLayerOptimizer",
+                       "DistributedDPOptimizerFastGradientClipping")
 
 
 class DistributedSetupError(RuntimeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 
 
-def layer_names(params, module, optimizer=None) -> list:
+def layer_names(params, module, optimizer=None, owner=None) -> list:
     """The names of the parameter tensors as the model calls them, without Opacus's `_module.` prefix.
 
     With `module` they are read from it at once. Without it they come from the Opacus
@@ -14,14 +14,15 @@ def layer_names(params, module, optimizer=None) -> list:
     the original optimizer, the noise generator and the accountant's step hook; a
     parameter carries only grad_sample, _forward_counter and summed_grad), but its hooks
     sit on the submodules that own the parameters, so the model's next forward pass
-    shows it: _NameWatch fills the list in place then. Until then, and for a tensor no
-    module names, the name is ``param{i}{shape}``.
+    shows it: NameWatch fills the list in place then. Until then, and for a tensor no
+    module names, the name is ``param{i}{shape}``. `owner` (a ModuleRef) is given the
+    GradSampleModule when it is found.
     """
     names = [f"param{i}{tuple(p.shape)}" for i, p in enumerate(params)]
     if module is not None:
         name_from(names, params, module)
     elif optimizer is not None and params:
-        NameWatch(names, params, optimizer)
+        NameWatch(names, params, optimizer, owner)
     return names
 
 
@@ -45,10 +46,10 @@ class NameWatch:
     find), or when the auditor has been detached.
     """
 
-    def __init__(self, names: list, params, optimizer):
+    def __init__(self, names: list, params, optimizer, owner=None):
         from torch.nn.modules.module import register_module_forward_pre_hook
 
-        self.names, self.params = names, list(params)
+        self.names, self.params, self.owner = names, list(params), owner
         self.ids = {id(p) for p in self.params}
         self.optimizer = weakref.ref(optimizer)
         self.handle = register_module_forward_pre_hook(self)
@@ -70,6 +71,8 @@ class NameWatch:
                 return
         else:
             return
+        if self.owner is not None:
+            self.owner.set(owner)
         if name_from(self.names, self.params, owner):
             self.handle.remove()
 

@@ -77,9 +77,10 @@ class StepPipeline:
             self.record.alerted = True
             self.alarm()
 
-    def note_problem(self, code: str, message: Optional[str], step: int) -> None:
-        """A set-up problem (a certainty): alarms at once on one process, at the next check under several."""
-        if self.record.note_problem(code, message, step) and self.path.local:
+    def note_problem(self, code: str, message: Optional[str], step: int, alarm: bool = True) -> None:
+        """A set-up problem (a certainty): alarms at once on one process, at the next check under several
+        (alarm=False: a fault that costs no privacy, reported among the findings)."""
+        if self.record.note_problem(code, message, step, alarm) and alarm and self.path.local:
             self.check()
 
     def note_problem_quietly(self, code: str, message: str) -> None:

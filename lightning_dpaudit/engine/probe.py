@@ -1,7 +1,8 @@
 """Tensor plumbing between canaries and an Opacus optimizer's parameters.
 
 Canaries enter as extra per-sample gradient rows that the optimizer's own
-`clip_and_accumulate` clips and sums, so what they add (K) is known exactly.
+`clip_and_accumulate` clips and sums (under ghost clipping, the module's own norms and
+coefficients: ghost.py), so what they add (K) is known exactly.
 
 Compressed rows. A gradient canary touches `support` coordinates of one tensor, so its
 row is zero almost everywhere. The probe gives the optimizer, for each tensor l, rows
@@ -91,6 +92,7 @@ class GradientProbe:
         self.clip_bounds = np.asarray(clip_bounds, dtype=float)
         self.scale = float(scale)
         self.dense = False  # set once when the optimizer's clipping refuses compressed rows
+        self.ghost = None  # a GhostClipping where the optimizer's clipping is ghost clipping (ghost.py)
 
     def set_pool(self, pool: Sequence[np.ndarray]) -> None:
         """The fixed coordinates observations are read at: one sorted index array per tensor."""
@@ -145,6 +147,8 @@ class GradientProbe:
         """
         if columns[0] is None:
             return CanarySum(self._clip_alone(optimizer, rows), columns)
+        if self.ghost is not None:  # ghost clipping reads compressed rows as they are
+            return CanarySum([s.reshape(-1) for s in self.ghost.sums(rows, columns)], columns, self._pool_positions)
         try:
             sums = self._clip_alone(optimizer, rows)
             if all(s.numel() == r.shape[1] for s, r in zip(sums, rows)):
@@ -165,6 +169,8 @@ class GradientProbe:
 
     def _clip_alone(self, optimizer, rows: List[torch.Tensor]) -> List[torch.Tensor]:
         """What clip_and_accumulate sums for these rows alone (grad_sample and summed_grad swapped out)."""
+        if self.ghost is not None:
+            return self.ghost.sums(rows, [None] * len(rows))
         saved = [(getattr(p, "grad_sample", None), p.summed_grad) for p in self.params]
         try:
             for p, r in zip(self.params, rows):

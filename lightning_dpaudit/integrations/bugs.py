@@ -19,8 +19,9 @@ from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
 from ..engine.distributed import sample_rate_of
+from .ghost_bugs import GHOST_BUGS, inject_ghost_bug
 
-__all__ = ["BUGS", "DISTRIBUTED_BUGS", "inject_bug", "list_bugs"]
+__all__ = ["BUGS", "DISTRIBUTED_BUGS", "GHOST_BUGS", "inject_bug", "list_bugs"]
 
 
 class _Bug:
@@ -326,23 +327,26 @@ def list_bugs() -> List[str]:
     return list(BUGS)
 
 
-def inject_bug(optimizer: DPOptimizer, name: str, **options) -> DPOptimizer:
+def inject_bug(optimizer: DPOptimizer, name: str, *, module=None, **options) -> DPOptimizer:
     """Turn ``optimizer`` into the buggy variant ``name`` in place and return it.
 
     ``options`` set bug parameters (e.g. ``num_seeds``, ``applied_noise_multiplier``,
     ``layer_index``, ``resume_at``, ``epoch_steps``, ``correlation``, ``lag``); the claimed
     ``noise_multiplier``/``max_grad_norm`` are left alone.
+    GHOST_BUGS break the ghost-clipping module instead: give it as ``module``.
     """
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError(
             f"inject_bug needs an Opacus DPOptimizer, got {type(optimizer).__name__}; "
             "pass the optimizer returned by PrivacyEngine.make_private"
         )
+    if name in GHOST_BUGS:
+        return inject_ghost_bug(optimizer, module, name)
     if name in _DISTRIBUTED_MIXINS and not hasattr(optimizer, "world_size"):
         raise TypeError(f"{name!r} breaks a DistributedDPOptimizer's noise layout; got {type(optimizer).__name__}")
     mixins = {**_MIXINS, **_DISTRIBUTED_MIXINS}
     if name not in mixins:
-        raise ValueError(f"unknown bug {name!r}; valid names: {', '.join([*BUGS, *DISTRIBUTED_BUGS])}")
+        raise ValueError(f"unknown bug {name!r}; valid names: {', '.join([*BUGS, *DISTRIBUTED_BUGS, *GHOST_BUGS])}")
     mixin, base = mixins[name], type(optimizer)
     if "clip_and_accumulate" in vars(mixin) and isinstance(optimizer, DPOptimizerFastGradientClipping):
         raise TypeError(f"{name!r} needs per-sample gradients; ghost clipping optimizers have none")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from ..ghost import GhostClipping, ModuleRef, grad_sample_module_in, is_ghost
 from ..names import layer_names
 from ..probe import GradientProbe
 from .base import sentinel_positions
@@ -39,8 +40,15 @@ def canary_kind_for(optimizer, mechanism, options, model, rng):
         rng=rng,
     )
     probe = GradientProbe(params, sampler.pool, clip, options.canary_scale)
+    owner = ModuleRef()
+    names = layer_names(params, model, optimizer, owner)
+    if is_ghost(optimizer):
+        found = None if model is None else grad_sample_module_in(model, params)
+        if found is not None:
+            owner.set(found)
+        probe.ghost = GhostClipping(params, owner)
     return GradientCanaries(
-        sampler, probe, layer_names=layer_names(params, model, optimizer),
+        sampler, probe, layer_names=names,
         layer_claims=layer_claims_of(mechanism),
         sentinels=sentinel_positions(len(probe.pool)), noise_std=sigma * C,
     )

@@ -29,11 +29,6 @@ def release_path_for(optimizer) -> type:
     name = type(optimizer).__name__
     dist.check_supported(optimizer)
     families = {c.__name__ for c in type(optimizer).__mro__}
-    if any("FastGradientClipping" in f for f in families):
-        raise TypeError(
-            f"{name} uses fast (ghost) gradient clipping: per-sample gradients never exist, so gradient canaries "
-            "cannot enter its clipping. Use grad_sample_mode='hooks' (the default) for an audited run."
-        )
     if "AdaClipDPOptimizer" in families:
         raise TypeError(
             "AdaClipDPOptimizer adapts its clipping bound from the share of per-sample norms under it, counted in "
