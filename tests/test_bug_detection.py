@@ -87,6 +87,10 @@ def test_correlated_noise_is_flagged_with_its_lag_and_correlation(options, withi
     assert 0 < low <= a <= high and low <= finding.measured <= high
     assert f"over {step - lag} pairs of steps {lag} apart" in finding.message
     assert "noise momentum" in finding.message and "fix: draw every step's noise fresh" in finding.message
+    from lightning_dpaudit.analysis.results import violation_message
+
+    assert violation_message(result).startswith(f"DP audit violation at step {step}: the noise of step {step} is "
+                                                f"correlated with step {step - lag}'s, {lag} step")
 
 
 def test_antithetic_noise_is_flagged_as_a_negated_repeat_within_10_steps(one_thread):

@@ -272,3 +272,20 @@ def test_correct_opacus_has_no_finding(seed, options):
     assert not result.violation and result.findings == ()
     forced = diagnose(auditor._evidence({POOLED: 1.1}), violation=True)
     assert codes(forced) == ("general",), [f.message for f in forced]
+
+
+def test_correlated_noise_is_named_with_its_lag_steps_and_interval_and_no_interval_test_runs():
+    from lightning_dpaudit.analysis.noise_correlation import Correlation
+
+    c = Correlation(lag=3, step=40, earlier=37, pairs=37, sign=-0.4, value=-0.59, low=-0.8, high=-0.3, confidence=0.95)
+    rng = np.random.default_rng(3)
+    low_noise = moments(rng, noise=[0.5] * 8)  # would be a noise_scale finding with independent noise
+    assert codes(diagnose(evidence(low_noise), violation=True)) == ("noise_scale",)
+    (found,) = diagnose(evidence(low_noise, correlation=c), violation=True)
+    assert (found.code, found.first_step, found.measured, found.claimed) == ("noise_correlated", 40, -0.59, 0.0)
+    assert found.message.startswith("the noise of step 40 is correlated with step 37's, 3 steps back: correlation "
+                                    "-0.59 (95% CI -0.80 to -0.30) over 37 pairs of steps 3 apart")
+    assert "negated and reused (antithetic noise" in found.message
+    assert diagnose(evidence(low_noise, correlation=c), violation=False) == ()
+    repeat = diagnose(evidence(low_noise, first_repeat=(9, 4), repeats=1, first_negated=True), violation=True)[0]
+    assert repeat.code == "noise_repeats" and "the noise of step 9 repeats the negation of step 4's" in repeat.message

@@ -23,7 +23,9 @@ layer        the same two tests on each tensor: the tensors with evidence are na
 noise_repeats the fingerprint test found a step whose noise repeats an earlier one, or
              its negation (its own false-match budget, 1e-6 over the run).
 noise_correlated the correlation test found a lag within the last 512 steps at which the
-             noise is correlated (freshness_findings.py; its budget, 1% of alpha).
+             noise is correlated (freshness_findings.py; its budget, 1% of alpha). The
+             interval tests below assume noise independent across steps: with this
+             finding they are not run.
 general      a violation none of these explains.
 
 Error budget: the m interval tests (pooled noise and clipping, and per tensor when there
@@ -104,7 +106,7 @@ def diagnose(ev: Evidence, *, violation: bool, first_violation_step: Optional[in
         own.append(_repeats(ev))
     if ev.correlation is not None:
         own.append(correlated(ev.correlation))
-    if ev.gradient:
+    if ev.gradient and ev.correlation is None:  # the intervals assume noise independent across steps
         own += _moment_findings(ev, first_violation_step)
     if not own and not found:
         own.append(_general(ev, first_violation_step))

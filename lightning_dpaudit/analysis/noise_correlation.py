@@ -87,14 +87,14 @@ class NoiseCorrelation:
         if not 0.0 < alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {alpha}")
         self.bits, self.lags, self.alpha = bits, lags, float(alpha)
-        self._root = 1.0 / math.sqrt(bits)
+        self._root = np.float32(1.0 / math.sqrt(bits))
         self._t_desc = np.arange(lags, dtype=np.float64) + RHO  # T + RHO at index j, less (n + 1 - lags)
         self._log_term = 2.0 * math.log(lags / self.alpha)
         self.reset()
 
     def reset(self) -> None:
         """Forget every step: an empty window, zero sums, no crossing."""
-        self._signs = np.zeros((self.lags, self.bits), dtype=np.float32)  # ring buffer, row n % lags next
+        self._signs = np.zeros((self.lags, self.bits), dtype=np.float32)  # ring of signs / sqrt(n), row n % lags next
         self._labels = np.zeros(self.lags, dtype=np.int64)
         self._sums = np.zeros(self.lags)  # S(l), lags in descending order: index j holds l = lags - j
         self.n = 0  # steps recorded
@@ -126,16 +126,15 @@ class NoiseCorrelation:
         slot, n, lags = self.n % self.lags, self.n, self.lags
         crossed = None
         if n >= lags:
-            older, newer = self._signs[slot:] @ signs, self._signs[:slot] @ signs
-            self._sums[: lags - slot] += older * self._root
-            self._sums[lags - slot:] += newer * self._root
+            self._sums[: lags - slot] += self._signs[slot:] @ signs
+            self._sums[lags - slot:] += self._signs[:slot] @ signs
         elif n:
-            self._sums[lags - n:] += (self._signs[:n] @ signs) * self._root
+            self._sums[lags - n:] += self._signs[:n] @ signs
         if n and self.first is None:
             crossed = self._crossing(min(n, lags))
         if crossed is not None:
             self.first = (operator.index(step), int(self._labels[(slot - crossed) % lags]), crossed)
-        self._signs[slot] = signs
+        np.multiply(signs, self._root, out=self._signs[slot])
         self._labels[slot] = operator.index(step)
         self.n = n + 1
         return crossed
@@ -179,7 +178,7 @@ class NoiseCorrelation:
         return {
             "lags": self.lags,
             "n": self.n,
-            "signs": self._signs[order].astype(np.int8),
+            "signs": np.sign(self._signs[order]).astype(np.int8),
             "labels": self._labels[order].copy(),
             "sums": self.sums,
             "first": None if self.first is None else list(self.first),
@@ -196,7 +195,7 @@ class NoiseCorrelation:
             raise ValueError(f"inconsistent window: {k} labels, {len(signs)} sign rows, {n} steps")
         self.reset()
         order = (n - k + np.arange(k)) % self.lags
-        self._signs[order] = np.sign(signs)
+        self._signs[order] = np.sign(signs) * self._root
         self._labels[order] = labels
         self._sums = np.asarray(state["sums"], dtype=np.float64)[::-1].copy()
         self.n = n

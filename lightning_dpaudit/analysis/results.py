@@ -110,7 +110,10 @@ def _violation_line(r: AuditResult) -> str:
     """The alarm's own numbers: the bound that crossed its claim (the pool's, else the first tensor's), or the repeat."""
     tensor = next((layer for layer in r.layers if layer.violation), None)
     repeat = r.first_noise_repeat
-    if "pooled" not in r.violating_layers and tensor is None and not repeat and r.findings:
+    correlated = next((f for f in r.findings if f.code == "noise_correlated"), None)
+    if "pooled" not in r.violating_layers and tensor is None and not repeat and correlated is not None:
+        crossed = correlated.message.split(":")[0]  # the noise of step t is correlated with step s's, l steps back
+    elif "pooled" not in r.violating_layers and tensor is None and not repeat and r.findings:
         crossed = "a set-up problem found outside the canaries"
     elif "pooled" in r.violating_layers or (tensor is None and not repeat):
         crossed = f"per-step mu lower bound {r.mu_lower_bound_anytime:.3f} (anytime, {r.confidence:.0%}) exceeds the claimed {r.mu_claimed:.3f}"
