@@ -19,8 +19,9 @@ HERE = Path(__file__).resolve().parent
 STEPS = 120
 
 
-def launch(scenario: str, out: Path, world: int = 2, timeout: float = 240.0, **options) -> list:
-    """Run `scenario` on `world` local processes; each rank's answer (a dict), in rank order."""
+def launch(scenario: str, out: Path, world: int = 2, timeout: float = 240.0, script: str = "ddp_scenarios.py",
+           **options) -> list:
+    """Run `scenario` (a function of `script`) on `world` local processes; each rank's answer (a dict), in rank order."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -29,7 +30,7 @@ def launch(scenario: str, out: Path, world: int = 2, timeout: float = 240.0, **o
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "ddp_scenarios.py"), scenario, str(out), json.dumps(options)],
+            [sys.executable, str(HERE / script), scenario, str(out), json.dumps(options)],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for r in range(world)
@@ -257,7 +258,8 @@ def setups(rank, world, options):
             "sample_rate": sample_rate(rank, world, options), "disagreement": disagreement(rank, world, options)}
 
 
-def main() -> None:
+def main(scenarios: dict) -> None:
+    """Run the scenario named on the command line, from `scenarios` (a module's globals), on this rank."""
     import torch
 
     scenario, out, options = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
@@ -265,7 +267,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        answer = globals()[scenario](rank, world, options)
+        answer = scenarios[scenario](rank, world, options)
         torch.distributed.barrier()  # no rank tears the group down while another still has work in it
     finally:
         torch.distributed.destroy_process_group()
@@ -279,4 +281,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(globals())

@@ -31,7 +31,7 @@ def token_data(n: int = 512, seed: int = 0):
 
 
 def make_ghost(*, seed: int = 0, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, batch_size: int = 64,
-               module: nn.Module = None, dataset=None, sampler=None):
+               module: nn.Module = None, dataset=None, sampler=None, grad_sample_mode: str = "ghost"):
     """make_private(..., grad_sample_mode="ghost") with a seeded noise generator: (module, optimizer, criterion, loader)."""
     model = module if module is not None else token_model(seed)
     data = dataset if dataset is not None else token_data()
@@ -39,7 +39,7 @@ def make_ghost(*, seed: int = 0, noise_multiplier: float = 1.0, max_grad_norm: f
     return PrivacyEngine().make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
         criterion=nn.CrossEntropyLoss(), noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-        grad_sample_mode="ghost", noise_generator=torch.Generator().manual_seed(seed + 1), poisson_sampling=False,
+        grad_sample_mode=grad_sample_mode, noise_generator=torch.Generator().manual_seed(seed + 1), poisson_sampling=False,
     )
 
 

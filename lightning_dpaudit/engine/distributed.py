@@ -49,16 +49,14 @@ def is_reducing(optimizer) -> bool:
     return bool(_class_names(optimizer) & set(REDUCING_OPTIMIZERS))
 
 
+def is_sharded(optimizer) -> bool:
+    """True for Opacus's FSDP optimizer: every rank noises the shards it owns of the reduce-scattered sum."""
+    return "FSDPOptimizerFastGradientClipping" in _class_names(optimizer)
+
+
 def check_supported(optimizer) -> None:
     """Refuse the distributed optimizers the audit cannot read, with what to use instead."""
     names = _class_names(optimizer)
-    if "FSDPOptimizerFastGradientClipping" in names:
-        raise TypeError(
-            "FSDP (FSDPModule) with Opacus runs ghost clipping: per-sample gradients never exist, and each rank "
-            "holds a shard of every tensor, so gradient canaries can neither enter the clipping nor be read back "
-            "whole. Audit with DDP instead: make_private(module=DistributedDataParallel(model) or DPDDP(model)) "
-            "and grad_sample_mode='hooks'."
-        )
     if "DistributedPerLayerOptimizer" in names:
         raise TypeError(
             "DistributedPerLayerOptimizer noises and reduces each tensor inside backward hooks, where canaries "
@@ -70,7 +68,7 @@ def check_supported(optimizer) -> None:
 def unreconciled_noise_problem(optimizer) -> Optional[str]:
     """A plain DPOptimizer in a job of several processes: the mistake that breaks DP silently."""
     size = world_size()
-    if size <= 1 or is_reducing(optimizer):
+    if size <= 1 or is_reducing(optimizer) or is_sharded(optimizer):
         return None
     return (
         f"{type(optimizer).__name__} runs in a job of {size} processes: each rank adds its own noise to its own "

@@ -79,17 +79,30 @@ class GhostClipping:
         missing = set(norms) - {id(p) for p in trainable}
         if missing:
             raise RuntimeError("ghost clipping: some audited parameters are not trained by the module's hooks")
-        saved = [getattr(p, "_norm_sample", None) for p in trainable]
-        saved_norms = gsm._per_sample_gradient_norms
         half = 0.5 * float(gsm.max_grad_norm)
+        first = id(trainable[0])
+
+        def with_probe(p):  # the canaries' norms of p, and the C/2 sample's
+            own = norms.get(id(p), torch.zeros(k, dtype=p.dtype, device=p.device))
+            return torch.cat([own, own.new_full((1,), half if id(p) == first else 0.0)])
+
+        from opacus.utils.module_utils import trainable_parameters
+
+        # FSDP's module keeps the norms on each submodule (norm_sample, in parameter order), the others on each parameter
+        holders = list(gsm.iterate_submodules(gsm._module)) if _is_fsdp(gsm) else trainable
+        attribute = "norm_sample" if _is_fsdp(gsm) else "_norm_sample"
+        saved = [getattr(h, attribute, None) for h in holders]
+        saved_norms = gsm._per_sample_gradient_norms
         try:
-            for i, p in enumerate(trainable):
-                own = norms.get(id(p), torch.zeros(k, dtype=p.dtype, device=p.device))
-                p._norm_sample = torch.cat([own, own.new_full((1,), half if i == 0 else 0.0)])
+            for h in holders:
+                if _is_fsdp(gsm):
+                    h.norm_sample = [with_probe(p) for _, p in trainable_parameters(h)]  # as the module's hooks list them
+                else:
+                    h._norm_sample = with_probe(h)
             coef = gsm.get_clipping_coef().reshape(-1)
         finally:
-            for p, s in zip(trainable, saved):
-                p._norm_sample = s
+            for h, s in zip(holders, saved):
+                setattr(h, attribute, s)
             gsm._per_sample_gradient_norms = saved_norms
         if float(coef[-1]) > 1.0 + 1e-4:
             self.note_problem(
@@ -106,7 +119,8 @@ class GhostClipping:
         """Per-row gradient norm of tensor `index`, by the module's code for its layer type."""
         p = self.params[index]
         layer = self._owner(gsm, index)
-        sampler = gsm.NORM_SAMPLERS.get(type(layer)) if gsm.use_ghost_clipping and layer is not None else None
+        layer_type = gsm._get_module_type(layer) if _is_fsdp(gsm) else type(layer)  # FSDPLinear counts as Linear
+        sampler = gsm.NORM_SAMPLERS.get(layer_type) if gsm.use_ghost_clipping and layer is not None else None
         if sampler is None:
             from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import create_norm_sample
 
@@ -121,6 +135,12 @@ class GhostClipping:
             where = {id(q): m for m in gsm.modules() for q in m.parameters(recurse=False)}
             self._owners = [where.get(id(p)) for p in self.params]
         return self._owners[index]
+
+
+def _is_fsdp(gsm) -> bool:
+    from opacus.grad_sample import GradSampleHooksFastGradientClippingFSDP
+
+    return isinstance(gsm, GradSampleHooksFastGradientClippingFSDP)
 
 
 def _as_sequence(layer, p: torch.Tensor, rows: torch.Tensor, columns):

@@ -54,10 +54,15 @@ class _NoiseBug(_Bug):
         return _generate_noise(std, reference, generator, self.secure_mode)
 
     def _noises_here(self) -> bool:
-        """A DistributedDPOptimizer adds noise on rank 0 only; other ranks pass their sum on."""
-        return getattr(self, "rank", 0) == 0
+        """A DistributedDPOptimizer adds noise on rank 0 only; other ranks pass their sum on (FSDP: every rank)."""
+        return getattr(self, "rank", 0) == 0 or hasattr(self, "grad_state")
 
     def add_noise(self):
+        if hasattr(self, "grad_state"):  # FSDP: each rank noises its shards of the averaged sum
+            generator, world = self._noise_generator(), self.world_size if self.loss_reduction == "mean" else 1
+            for i, (p, std) in enumerate(zip(self.params, self._stds())):
+                p.grad = (self.grad_state[p]["summed_grad"] + self._noise(i, p.grad, std, generator) / world).view_as(p)
+            return
         if not self._noises_here():
             for p in self.params:
                 p.grad = p.summed_grad.view_as(p)

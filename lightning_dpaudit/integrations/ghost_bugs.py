@@ -1,4 +1,4 @@
-"""Bugs in ghost clipping's own code, injected into the GradSampleModuleFastGradientClipping.
+"""Bugs in ghost clipping's own code, injected into the ghost-clipping GradSampleModule (FSDP's too).
 
 Under grad_sample_mode="ghost" the clipping lives in the module, not the optimizer: its
 hooks compute per-sample norms (a norm sampler per layer type) and get_clipping_coef
@@ -27,7 +27,7 @@ GHOST_BUGS: Dict[str, str] = {
 
 def inject_ghost_bug(optimizer, module, name: str):
     """Break `module` (the GradSampleModuleFastGradientClipping training `optimizer`'s parameters) in place."""
-    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.grad_sample import GradSampleHooksFastGradientClipping as GhostHooks
 
     if name not in GHOST_BUGS:
         raise ValueError(f"unknown ghost-clipping bug {name!r}; valid names: {', '.join(GHOST_BUGS)}")
@@ -35,8 +35,8 @@ def inject_ghost_bug(optimizer, module, name: str):
         raise TypeError(f"{name!r} breaks the ghost-clipping module: pass module= (the module make_private returned)")
     from ..engine.ghost import grad_sample_module_in
 
-    gsm = module if isinstance(module, GradSampleModuleFastGradientClipping) else grad_sample_module_in(module, optimizer.params)
-    if not isinstance(gsm, GradSampleModuleFastGradientClipping):
+    gsm = module if isinstance(module, GhostHooks) else grad_sample_module_in(module, optimizer.params)
+    if not isinstance(gsm, GhostHooks):
         raise TypeError(f"{name!r} needs a module trained with grad_sample_mode='ghost'; got {type(module).__name__}")
     if name == "halved-linear-norms":
         samplers = dict(type(gsm).NORM_SAMPLERS)

@@ -1,8 +1,9 @@
 """Release paths: one per family of Opacus optimizers, chosen in one place (`release_path_for`),
 as opacus.optimizers.get_optimizer_class maps a set-up to its optimizer class.
 
-    DPOptimizer, DPPerLayerOptimizer, ... on one process     PerSampleRelease
-    DistributedDPOptimizer, SimpleDistributedPerLayer...     ReducedRelease (several processes)
+    DPOptimizer, DPPerLayerOptimizer, ghost clipping, ... on one process     PerSampleRelease
+    DistributedDPOptimizer, SimpleDistributedPerLayer..., ghost under DDP    ReducedRelease (several processes)
+    FSDPOptimizerFastGradientClipping (FSDP2, ghost clipping)                ShardedRelease (tensors sharded)
 
 Families the audit cannot read yet are refused here, each with what to use instead.
 """
@@ -13,8 +14,9 @@ from .. import distributed as dist
 from .base import PathSettings
 from .per_sample import PerSampleRelease
 from .reduced import ReducedRelease
+from .sharded import ShardedRelease
 
-__all__ = ["PathSettings", "PerSampleRelease", "ReducedRelease", "release_path_for"]
+__all__ = ["PathSettings", "PerSampleRelease", "ReducedRelease", "ShardedRelease", "release_path_for"]
 
 
 def release_path_for(optimizer) -> type:
@@ -29,6 +31,8 @@ def release_path_for(optimizer) -> type:
     name = type(optimizer).__name__
     dist.check_supported(optimizer)
     families = {c.__name__ for c in type(optimizer).__mro__}
+    if "FSDPOptimizerFastGradientClipping" in families:
+        return ShardedRelease
     if "AdaClipDPOptimizer" in families:
         raise TypeError(
             "AdaClipDPOptimizer adapts its clipping bound from the share of per-sample norms under it, counted in "

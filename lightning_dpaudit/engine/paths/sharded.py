@@ -1,0 +1,119 @@
+"""FSDP (FSDPOptimizerFastGradientClipping): every tensor sharded by rows over the ranks.
+
+Opacus's FSDP mode runs ghost clipping. Each rank clips its own samples; FSDP's
+reduce-scatter leaves on rank r the rows it owns of f * sum_r S_r (f = 1/W for
+loss_reduction "mean", 1 for "sum"); add_noise then adds, on every rank, noise of std
+f * sigma * C to its own rows. So every coordinate is released once, by the rank that
+owns it:
+
+    R = f (S + N)        S = the data's clipped sum over all ranks, N ~ N(0, sigma^2 C^2)
+
+Per audited step every rank computes the in-canaries' clipped sum K through its module's
+own ghost-clipping code (ghost.py) and adds f K at the coordinates it owns, so each
+canary enters the release once, where it lives. After the optimizer's own add_noise each
+rank reads (R - f S) / f at the pool coordinates it owns; one all-reduce of that vector
+(zeros where a rank owns nothing) gives every rank the whole release at the pool, hence
+the same observations and the same AuditResult. Then f K leaves the rows it entered: the
+update is the un-audited one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import distributed as dist
+from ..kinds.base import Planted, ReleaseView
+from ..probe import GradientProbe
+from .base import PathSettings
+from .per_sample import PerSampleRelease
+
+
+class ShardedRelease(PerSampleRelease):
+    local = False  # alarms wait for a check every rank reaches
+    reads_on_device = False  # the per-step all-reduce reads on the host
+
+    def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
+        super().__init__(optimizer, probe, settings)
+        self.collectives = dist.Collectives()
+        self.shards = [_row_shard(p) for p in probe.params]
+
+    @staticmethod
+    def check_options(options) -> None:
+        if options.mode != "one-run":
+            raise ValueError("an FSDP audit runs in mode='one-run' (a second privatization would need a second release)")
+
+    @staticmethod
+    def agree_on_seed(seed: Optional[int]) -> int:
+        return dist.Collectives().agree_on_seed(seed)
+
+    def verify_start(self, per_step: int, seed) -> None:
+        opt = self.optimizer
+        self.collectives.verify_same(
+            np.concatenate([[per_step, float(opt.noise_multiplier), float(opt.max_grad_norm), seed],
+                            self.probe.pool.cpu().numpy()]),
+            "the audit's settings, its seed or the model's shapes at the start",
+        )
+
+    def _factor(self) -> float:
+        return 1.0 / self.collectives.size if self.optimizer.loss_reduction == "mean" else 1.0
+
+    def release(self, planted: Planted, *, step: int, paired: bool, read, done) -> None:
+        opt, probe = self.optimizer, self.probe
+        added = probe.clip(opt, *planted.rows(planted.is_in))
+        f = self._factor()
+        owned = self._owned()
+        summed = [opt.grad_state[p]["summed_grad"].to_local().view(-1) for p in probe.params]
+        data = [s[idx] for s, (idx, _) in zip(summed, owned)]
+        entered = [self._enter(s, cols, k, lohi, f) for s, cols, k, lohi in
+                   zip(summed, added.columns, added.values, self.shards)]
+        try:
+            self.add_noise()
+        finally:
+            for s, (cols, _, saved) in zip(summed, entered):
+                s[cols] = saved  # the data's own sum again
+        released = [p.grad.to_local().view(-1) for p in probe.params]
+        centered = np.zeros(len(probe.pool))
+        for r, d, (idx, positions) in zip(released, data, owned):
+            centered[positions] = ((r[idx] - d).double() / f).cpu().numpy()
+        for r, (cols, values, _) in zip(released, entered):
+            r.index_add_(0, cols, -values)  # the update is the un-audited one
+        centered = self.collectives.sum(centered)
+        read(ReleaseView(None, None, centered, probe.sum_at_pool(added), planted.is_in, own=True))
+        done()
+
+    def _owned(self) -> list:
+        """Per tensor: (local flat indices, pool positions) of the pool coordinates this rank holds."""
+        out, start = [], 0
+        for idx, (lo, hi) in zip(self.probe.pool_local, self.shards):
+            mine = (idx >= lo) & (idx < hi)
+            out.append((idx[mine] - lo, start + torch.nonzero(mine).reshape(-1).cpu().numpy()))
+            start += len(idx)
+        return out
+
+    @staticmethod
+    def _enter(flat: torch.Tensor, columns, values, shard, f: float):
+        """f K into this rank's rows of the summed gradient: (local columns, values added, values replaced)."""
+        lo, hi = shard
+        mine = (columns >= lo) & (columns < hi)
+        cols, vals = columns[mine] - lo, values[mine].to(flat.dtype) * f
+        saved = flat[cols].clone()
+        flat.index_add_(0, cols, vals)
+        return cols, vals, saved
+
+
+def _row_shard(p) -> tuple:
+    """[lo, hi): the flat coordinates of the full tensor held by this rank (FSDP2 shards dim 0)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(p, DTensor):
+        return 0, p.numel()
+    if tuple(p.placements) != (Shard(0),):
+        raise TypeError(f"the FSDP audit reads tensors sharded by rows (Shard(0)); got placements {p.placements}")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = int(np.prod(p.shape[1:])) if p.dim() > 1 else 1
+    lo = int(offset[0]) * row
+    return lo, lo + int(np.prod(shape))

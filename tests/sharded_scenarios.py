@@ -1,0 +1,105 @@
+"""Two-process (gloo, 127.0.0.1) audits of Opacus's ghost clipping under DDP and FSDP, run by test_sharded.py.
+
+Each rank trains the token model of ghost_setups.py on its shard of the data (a
+DistributedSampler): under DDP with DPDDP + grad_sample_mode="ghost"
+(DistributedDPOptimizerFastGradientClipping), under FSDP with Opacus's FSDP2Wrapper +
+grad_sample_mode="ghost_fsdp" (FSDPOptimizerFastGradientClipping).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ddp_scenarios import _Stop, _summary, main  # noqa: E402
+
+
+def _private(rank, world, mode: str, *, noise_seed: int = 7):
+    """(module, optimizer, criterion, loader) for mode "ddp" or "fsdp", the same model on every rank."""
+    import torch
+    from ghost_setups import make_ghost, token_data, token_model
+
+    model = token_model(0)
+    if mode == "ddp":
+        from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+        model, grad_sample_mode = DPDDP(model), "ghost"
+    else:
+        from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+        model, grad_sample_mode = FSDP2Wrapper(model), "ghost_fsdp"
+    data = token_data()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    return make_ghost(module=model, dataset=data, sampler=sampler, batch_size=32, seed=noise_seed + rank,
+                      grad_sample_mode=grad_sample_mode)
+
+
+def _local(module):
+    """This rank's parameter values (its shards under FSDP), flat."""
+    import torch
+
+    return torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1) for p in module.parameters()])
+
+
+def correct(rank, world, options):
+    """An audited and an un-audited run of the same job: same updates, the same audit on every rank, no alarm."""
+    import torch
+
+    from lightning_dpaudit import PrivacyAuditor
+
+    mode, steps = options["mode"], int(options.get("steps", 40))
+    audited, plain = _private(rank, world, mode), _private(rank, world, mode)
+    auditor = PrivacyAuditor(audited[1], seed=options.get("seed", 11))
+    batches = list(audited[3])
+    gaps = []
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+        for module, optimizer, criterion, _ in (audited, plain):
+            criterion(module(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        gaps.append(float(torch.max(torch.abs(_local(audited[0]) - _local(plain[0])))))
+    summary = _summary(auditor)
+    summary["max_update_gap"] = max(gaps)
+    summary["optimizer"] = type(audited[1]).__name__
+    summary["canaries_per_step"] = auditor.per_step
+    summary["result"] = auditor.result().to_dict()
+    return summary
+
+
+def bugs(rank, world, options):
+    """Each named bug injected into the ghost-clipping set-up: the audit's summary at the first alarm."""
+    from ghost_setups import train_ghost
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.bugs import inject_bug
+
+    found = {}
+    for name in options["names"]:
+        module, optimizer, criterion, loader = _private(rank, world, options["mode"])
+        if name != "correct":
+            inject_bug(optimizer, name, module=module)
+        auditor = PrivacyAuditor(optimizer, seed=3, on_violation=_stop)
+        try:
+            train_ghost(module, optimizer, criterion, loader, int(options.get("steps", 60)))
+        except _Stop:
+            pass  # every rank alarms at the same check (the same observations), so every rank stops there
+        summary = _summary(auditor)
+        summary["findings"] = [f.code for f in auditor.result(accounting=False).findings]
+        found[name] = summary
+        auditor.detach()
+    return found
+
+
+def _stop(result):
+    raise _Stop
+
+
+def both(rank, world, options):
+    """`correct` and `bugs` in one job (one start-up of the process group)."""
+    return {"correct": correct(rank, world, options), "bugs": bugs(rank, world, options)}
+
+
+if __name__ == "__main__":
+    main(globals())

@@ -1,0 +1,54 @@
+"""Ghost clipping under DDP and FSDP on two gloo processes (127.0.0.1), each launch bounded in time.
+
+The scenarios run in tests/sharded_scenarios.py. Runs use fixed seeds, so they are
+deterministic; "a correct run is quiet" rests on the audit's own guarantee (a false alarm
+with probability <= 5% per run at the default confidence).
+"""
+
+import pytest
+
+from ddp_scenarios import launch
+
+BUGS = {  # bug: (finding, violation)
+    "halved-linear-norms": ("layer", True),
+    "unclamped-coefficients": ("clipping_scales_up", False),
+    "wrong-noise": ("noise_scale", True),
+    "no-noise": ("noise_scale", True),
+    "mean-sensitivity": ("noise_scale", True),
+    "reused-noise": ("noise_repeats", True),
+}
+OPTIMIZERS = {"ddp": "DistributedDPOptimizerFastGradientClipping", "fsdp": "FSDPOptimizerFastGradientClipping"}
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def job(request, tmp_path_factory):
+    mode = request.param
+    names = ["correct", *BUGS] + (["noise-on-other-rank"] if mode == "ddp" else [])
+    ranks = launch("both", tmp_path_factory.mktemp(mode), script="sharded_scenarios.py", timeout=420, mode=mode,
+                   steps=40, names=names)
+    return mode, ranks
+
+
+def test_correct_run_updates_as_unaudited_and_every_rank_agrees(job):
+    mode, ranks = job
+    first, second = (rank["correct"] for rank in ranks)
+    assert first["optimizer"] == OPTIMIZERS[mode]
+    assert first["result"] == second["result"]  # the same observations, counts, bounds and findings on every rank
+    for rank in (first, second):
+        assert rank["max_update_gap"] <= 1e-6  # each rank's update (its shards under FSDP) is the un-audited one
+        assert not rank["violation"] and rank["problems"] == []
+        assert rank["n_in"] == rank["n_out"] == 40 * rank["canaries_per_step"] // 2
+        assert 0.9 < rank["mu_lower_bound"] <= 1.0  # tight and valid
+        assert rank["epsilon_lower_bound"] <= rank["epsilon_accountant"]
+
+
+def test_bug_zoo_is_flagged_with_its_finding_on_every_rank(job):
+    mode, ranks = job
+    first, second = (rank["bugs"] for rank in ranks)
+    assert first == second
+    assert not first["correct"]["violation"] and first["correct"]["findings"] == []
+    for name, (finding, violation) in BUGS.items():
+        assert first[name]["violation"] is violation, name
+        assert finding in first[name]["findings"], (name, first[name]["findings"])
+    if mode == "ddp":
+        assert "noise_placement" in first["noise-on-other-rank"]["findings"]
