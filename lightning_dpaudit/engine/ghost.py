@@ -116,8 +116,16 @@ class GhostClipping:
         return coef[:-1]
 
     def _norms(self, gsm, index: int, flat_rows: torch.Tensor, columns) -> torch.Tensor:
-        """Per-row gradient norm of tensor `index`, by the module's code for its layer type."""
+        """Per-row gradient norm of tensor `index`, by the module's code for its layer type.
+
+        Only the rows with values in this tensor are passed on (a canary lives in one
+        tensor); the others' norm here is 0."""
         p = self.params[index]
+        present = torch.nonzero(flat_rows.abs().sum(dim=1) > 0).reshape(-1)
+        norms = torch.zeros(flat_rows.shape[0], dtype=flat_rows.dtype, device=flat_rows.device)
+        if len(present) == 0:
+            return norms
+        rows = flat_rows[present]
         layer = self._owner(gsm, index)
         layer_type = gsm._get_module_type(layer) if _is_fsdp(gsm) else type(layer)  # FSDPLinear counts as Linear
         sampler = gsm.NORM_SAMPLERS.get(layer_type) if gsm.use_ghost_clipping and layer is not None else None
@@ -125,10 +133,12 @@ class GhostClipping:
             from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import create_norm_sample
 
             holder = SimpleNamespace(requires_grad=True)
-            create_norm_sample(param=holder, grad_sample=flat_rows, max_batch_len=flat_rows.shape[0])
-            return holder._norm_sample
-        activations, backprops = _as_sequence(layer, p, flat_rows, columns)
-        return sampler(layer, [activations], backprops)[p]
+            create_norm_sample(param=holder, grad_sample=rows, max_batch_len=rows.shape[0])
+            norms[present] = holder._norm_sample.to(norms.dtype)
+        else:
+            activations, backprops = _as_sequence(layer, p, rows, columns)
+            norms[present] = sampler(layer, [activations], backprops)[p].to(norms.dtype)
+        return norms
 
     def _owner(self, gsm, index: int):
         if self._owners is None:
