@@ -92,6 +92,9 @@ def main(steps: int, out: str, bug: str = None) -> None:
 
     result = auditor.result()
     if rank == 0:
+        local = sum(p.to_local().numel() for p in model.parameters())  # DTensors: this rank's shards
+        print(f"sharded: rank 0 holds {local:,} of {sum(p.numel() for p in model.parameters()):,} parameters "
+              f"({type(optimizer).__name__})")
         print(summary_table({"result": result.to_dict()}))
         paths = write_report(
             out, result, settings={"world_size": dist.get_world_size(), "sharding": "fsdp2"},
