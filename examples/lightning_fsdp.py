@@ -11,8 +11,8 @@ The recipe:
 3. make_private gets a data loader with a DistributedSampler (one shard per rank), so the
    accountant's sample rate is that of the whole batch, and Lightning keeps it
    (`use_distributed_sampler=False`).
-4. Each rank adds the noise to the rows it owns, so each rank draws from its own generator
-   (here seeded from the OS in every process).
+4. The noise has its own generator, seeded from the OS in each process: every rank draws
+   noise the shape of each whole tensor and adds the rows of it that it owns.
 
 Runs on 2 CPU processes; Lightning starts the second one itself:
 
@@ -49,7 +49,7 @@ class ShardedPrivateClassifier(pl.LightningModule):
         self.model = TokenClassifier()
         self.privacy_engine = PrivacyEngine()
         self.noise_generator = torch.Generator()
-        self.noise_generator.seed()  # a fresh seed in each process: the ranks' noise is independent
+        self.noise_generator.seed()  # a fresh seed, not the one the model's weights came from
         self.train_set = token_data()
 
     def configure_model(self):
