@@ -1,4 +1,4 @@
-"""What the audit costs as the model grows: time and peak memory for MLPs of 0.1 M to 40 M parameters.
+"""What the audit costs as the model grows: time and peak memory for MLPs and transformers of 0.1 M to 40 M parameters.
 
 MLPs of 256 random features in, three hidden Linear+ReLU layers of equal width, 10
 classes, random labels; batch 64 (batch 16 at 40 M: 16 per-sample gradients of 40 M
@@ -6,6 +6,13 @@ parameters are already 2.6 GB). Opacus `make_private` with hooks, noise multipli
 max grad norm 1.0, SGD, fixed batches. Configurations: `plain` (no auditor), `dirac`
 (`PrivacyAuditor(optimizer, seed=0)`, the package's gradient canaries and defaults) and
 `mislabeled` (input canaries, 32 per step, from 256 held-out random examples).
+
+`--model transformer`: the decoder-only transformer of examples/_transformer.py (about
+1 M, 10 M and 40 M parameters; untied embeddings, attention from Linear layers) on its
+seeded Markov tokens, sequences of 32 tokens, batch 32, 16 and 8, next-token
+cross-entropy with one loss per sequence, trained with `grad_sample_mode="hooks"`
+(per-sample gradients) and `"ghost"` (ghost clipping: per-sample norms only, Opacus's
+criterion and its two backward passes) side by side; configurations `plain` and `dirac`.
 
 Peak memory: a fresh process per (model, configuration), `ru_maxrss` after 3
 warm-up steps and `--steps` steps; "extra" is the audited peak less the plain peak. Time: a
@@ -17,6 +24,7 @@ more fails on its own (shown as "-", with the error) instead of starving the mac
 
     .venv/bin/python bench/scale.py --steps 10 --rounds 3 --out scale.md --resume scale.jsonl
     .venv/bin/python bench/scale.py --sizes 0.1M 1M --steps 20 --rounds 3 --configs plain dirac
+    .venv/bin/python bench/scale.py --model transformer --steps 4 --rounds 3 --out scale_transformer.md
 """
 
 import argparse
@@ -27,6 +35,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,8 +45,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _transformer import SIZES as TRANSFORMER_SHAPES, build_model, markov_tokens  # noqa: E402
+
 SIZES = {"0.1M": (100_000, 64), "1M": (1_000_000, 64), "10M": (10_000_000, 64), "40M": (40_000_000, 16)}
+TRANSFORMER = {"1M": 32, "10M": 16, "40M": 8}  # batch; sequences of SEQ_LEN tokens
+SEQ_LEN = 32
 CONFIGS = ("plain", "dirac", "mislabeled")
+MODES = ("hooks", "ghost")
 FEATURES, CLASSES, HIDDEN, HOLDOUT, WARMUP = 256, 10, 3, 256, 3
 MEMORY_GROWTH_MB, TIME_RATIO, TIME_FROM = 64.0, 1.05, 1_000_000  # the targets
 
@@ -46,8 +61,10 @@ def n_params(width):
     return (FEATURES + 1) * width + (HIDDEN - 1) * (width + 1) * width + (width + 1) * CLASSES
 
 
-def build(size, config, canaries):
-    """A private MLP of about `size` parameters (seed 0), its DPOptimizer and fixed batches."""
+def build(size, config, canaries, model_kind="mlp", mode="hooks"):
+    """A private model of about `size` parameters (seed 0), its DPOptimizer, fixed batches and their loss."""
+    if model_kind == "transformer":
+        return build_transformer(size, config, canaries, mode)
     target, batch = SIZES[size]
     width = min(range(8, 8192), key=lambda w: abs(n_params(w) - target))
     torch.manual_seed(0)
@@ -69,17 +86,41 @@ def build(size, config, canaries):
             canary_inputs=torch.randn(HOLDOUT, FEATURES, generator=held_out),
             canary_labels=torch.randint(0, CLASSES, (HOLDOUT,), generator=held_out),
         )
-    return model, optimizer, list(zip(x.split(batch), y.split(batch)))
+    return model, optimizer, list(zip(x.split(batch), y.split(batch))), lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
+
+
+def build_transformer(size, config, canaries, mode):
+    """The example's transformer made private with `mode` clipping; its loss, one per sequence."""
+    batch, vocab = TRANSFORMER[size], TRANSFORMER_SHAPES[size][0]
+    model = build_model(size, SEQ_LEN, seed=0)
+    tokens = markov_tokens(vocab, 8 * batch, SEQ_LEN, seed=0)
+    private = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        data_loader=DataLoader(TensorDataset(tokens), batch_size=batch), criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode,
+    )
+    optimizer = private[1]
+    criterion = private[2] if mode == "ghost" else nn.functional.cross_entropy
+
+    def loss(b):
+        logits = model(b[:, :-1])
+        targets = b[:, 1:].reshape(-1)
+        if mode == "ghost":
+            return criterion(logits.reshape(-1, vocab), targets, shape=(len(b), SEQ_LEN))
+        return criterion(logits.reshape(-1, vocab), targets)
+
+    if config == "dirac":
+        PrivacyAuditor(optimizer, seed=0, **({"canaries_per_step": canaries} if canaries else {}))
+    return model, optimizer, list(tokens.split(batch)), loss
 
 
 def train(run, steps):
     """Seconds for `steps` optimizer steps, cycling over the fixed batches."""
-    model, optimizer, batches = run
+    model, optimizer, batches, loss = run
     start = time.perf_counter()
     for i in range(steps):
-        x, y = batches[i % len(batches)]
         optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss(batches[i % len(batches)]).backward()
         optimizer.step()
     seconds = time.perf_counter() - start
     optimizer.zero_grad()  # frees the per-sample gradients before the other model runs
@@ -87,7 +128,7 @@ def train(run, steps):
 
 
 def memory_cell(size, config, args):
-    run = build(size, config, args.canaries)
+    run = build(size, config, args.canaries, args.model, args.mode)
     train(run, WARMUP)
     seconds = train(run, args.steps)
     params = sum(p.numel() for p in run[0].parameters())
@@ -96,7 +137,7 @@ def memory_cell(size, config, args):
 
 
 def timing_cell(size, config, args):
-    plain, audited = build(size, "plain", None), build(size, config, args.canaries)
+    plain, audited = build(size, "plain", None, args.model, args.mode), build(size, config, args.canaries, args.model, args.mode)
     for run in (plain, audited):
         train(run, WARMUP)
     times = {"plain": [], "audited": []}
@@ -106,10 +147,11 @@ def timing_cell(size, config, args):
     return times
 
 
-def in_fresh_process(kind, size, config, args):
+def in_fresh_process(kind, size, mode, config, args):
     """Run one cell of this script in a new interpreter; {"error": last line of stderr} if it fails."""
     cmd = [sys.executable, __file__, f"--{kind}", size, config, "--steps", str(args.steps),
-           "--rounds", str(args.rounds), "--threads", str(args.threads), "--max-gb", str(args.max_gb)]
+           "--rounds", str(args.rounds), "--threads", str(args.threads), "--max-gb", str(args.max_gb),
+           "--model", args.model, "--mode", mode]
     cmd += ["--canaries", str(args.canaries)] if args.canaries else []
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -124,8 +166,11 @@ def fmt(value, spec, unit=""):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--model", default="mlp", choices=["mlp", "transformer"])
+    parser.add_argument("--modes", nargs="+", default=None, choices=MODES,
+                        help="Opacus grad_sample_mode(s) of the transformer (both by default; the MLP runs hooks)")
+    parser.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES))
+    parser.add_argument("--configs", nargs="+", default=None, choices=CONFIGS, help="all (plain, dirac for the transformer)")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
     parser.add_argument("--rounds", type=int, default=3, help="alternating plain/audited rounds")
     parser.add_argument("--threads", type=int, default=1)
@@ -135,7 +180,16 @@ def main():
     parser.add_argument("--resume", metavar="FILE.jsonl", help="keep finished cells in FILE; a rerun skips them")
     parser.add_argument("--cell", nargs=2, metavar=("SIZE", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--timing", nargs=2, metavar=("SIZE", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="hooks", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    sizes = TRANSFORMER if args.model == "transformer" else SIZES
+    args.sizes = args.sizes or list(sizes)
+    args.modes = args.modes or (list(MODES) if args.model == "transformer" else ["hooks"])
+    args.configs = args.configs or (["plain", "dirac"] if args.model == "transformer" else list(CONFIGS))
+    if args.model == "transformer" and (set(args.sizes) - set(TRANSFORMER) or "mislabeled" in args.configs):
+        parser.error(f"--model transformer runs sizes {', '.join(TRANSFORMER)} and configurations plain, dirac")
+    if args.model == "mlp" and args.modes != ["hooks"]:
+        parser.error("the MLP runs with hooks only; --modes is for --model transformer")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     if args.cell or args.timing:
@@ -146,60 +200,67 @@ def main():
 
     args.sizes = sorted(set(args.sizes), key=list(SIZES).index)
     audited = [c for c in CONFIGS[1:] if c in args.configs]
-    cells = [(s, "cell", c) for s in args.sizes for c in ["plain"] + audited]
-    cells += [(s, "timing", c) for s in args.sizes for c in audited]
+    rows = [(s, m) for s in args.sizes for m in args.modes]
+    cells = [(s, m, "cell", c) for s, m in rows for c in ["plain"] + audited]
+    cells += [(s, m, "timing", c) for s, m in rows for c in audited]
     cells.sort(key=lambda cell: list(SIZES).index(cell[0]))
     results, kept, reused, start = {}, {}, 0, time.perf_counter()
     if args.resume and os.path.exists(args.resume):
         with open(args.resume) as f:
             kept = {tuple(r["key"]): r["result"] for r in map(json.loads, f)}
-    for i, (size, kind, config) in enumerate(cells, 1):
+    for i, (size, mode, kind, config) in enumerate(cells, 1):
         key = (size, kind, config, args.steps, args.rounds, args.threads, args.canaries)
+        key += (args.model, mode) if args.model == "transformer" else ()  # the MLP's keys as before
         reused += key in kept
-        results[size, kind, config] = kept.get(key) or in_fresh_process(kind, size, config, args)
-        if args.resume and key not in kept and "error" not in results[size, kind, config]:
+        results[size, mode, kind, config] = kept.get(key) or in_fresh_process(kind, size, mode, config, args)
+        if args.resume and key not in kept and "error" not in results[size, mode, kind, config]:
             with open(args.resume, "a") as f:
-                f.write(json.dumps({"key": key, "result": results[size, kind, config]}) + "\n")
-        print(f"[{i}/{len(cells)}] {size} {config} {'memory' if kind == 'cell' else 'timing'}: "
-              f"{results[size, kind, config]}  ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+                f.write(json.dumps({"key": key, "result": results[size, mode, kind, config]}) + "\n")
+        print(f"[{i}/{len(cells)}] {size} {mode} {config} {'memory' if kind == 'cell' else 'timing'}: "
+              f"{results[size, mode, kind, config]}  ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
 
     nan = float("nan")
-    lines = [f"`bench/scale.py {' '.join(sys.argv[1:])}`: steps={args.steps} rounds={args.rounds} threads={args.threads} warm-up={WARMUP} "
-             f"dirac canaries/step={args.canaries or 'default'}",
+    transformer = args.model == "transformer"
+    label = (lambda mode, c: f"{mode} {c}") if transformer else (lambda mode, c: c)
+    lines = [f"`bench/scale.py {' '.join(sys.argv[1:])}`: model={args.model} steps={args.steps} rounds={args.rounds} "
+             f"threads={args.threads} warm-up={WARMUP} dirac canaries/step={args.canaries or 'default'}",
              "| parameters | batch | configuration | ms/step (median) | audited/plain time | peak RSS (MB) | extra peak vs plain (MB) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     extra, ratios = {}, {}
-    for size in args.sizes:
-        mem = {c: results[size, "cell", c] for c in ["plain"] + audited}
-        timing = {c: {"plain": [nan], "audited": [nan], **results[size, "timing", c]} for c in audited}
+    for size, mode in rows:
+        mem = {c: results[size, mode, "cell", c] for c in ["plain"] + audited}
+        timing = {c: {"plain": [nan], "audited": [nan], **results[size, mode, "timing", c]} for c in audited}
         plain_runs = [t for c in audited for t in timing[c]["plain"] if not np.isnan(t)]
         plain_ms = 1000 * np.median(plain_runs) / args.steps if plain_runs else mem["plain"].get("ms", nan)
         plain_rss = mem["plain"].get("rss_mb", nan)
         params = next((m["params"] for m in mem.values() if "params" in m), None)
+        batch = f"{TRANSFORMER[size]}x{SEQ_LEN}" if transformer else SIZES[size][1]
         for c in ["plain"] + audited:
             ms, ratio = plain_ms, 1.0
             if c != "plain":
                 ms = 1000 * np.median(timing[c]["audited"]) / args.steps
-                ratio = ratios[size, c] = np.median(timing[c]["audited"]) / np.median(timing[c]["plain"])
+                ratio = ratios[size, mode, c] = np.median(timing[c]["audited"]) / np.median(timing[c]["plain"])
             rss = mem[c].get("rss_mb", nan)
-            extra[size, c] = rss - plain_rss
-            lines.append(f"| {fmt(params, ',')} | {SIZES[size][1]} | {c} | {fmt(ms, '.1f')} | {fmt(ratio, '.2f', 'x')} "
-                         f"| {fmt(rss, ',.0f')} | {fmt(extra[size, c], ',.0f')} |")
+            extra[size, mode, c] = rss - plain_rss
+            lines.append(f"| {fmt(params, ',')} | {batch} | {label(mode, c)} | {fmt(ms, '.1f')} | {fmt(ratio, '.2f', 'x')} "
+                         f"| {fmt(rss, ',.0f')} | {fmt(extra[size, mode, c], ',.0f')} |")
 
     lines.append("")
     small, large = args.sizes[0], args.sizes[-1]
-    for c in audited:
-        growth = extra[large, c] - extra[small, c] if small != large else float("nan")
-        verdict = "not measured" if np.isnan(growth) else "met" if growth <= MEMORY_GROWTH_MB else "MISSED"
-        lines.append(f"- {c}: extra peak memory grows by {fmt(growth, ',.0f')} MB from {small} to {large} "
-                     f"(target <= {MEMORY_GROWTH_MB:.0f} MB): {verdict}")
-        big = [s for s in args.sizes if SIZES[s][0] >= TIME_FROM]
-        misses = [f"{s} {ratios[s, c]:.2f}x" for s in big if ratios[s, c] > TIME_RATIO]
-        unmeasured = [s for s in big if np.isnan(ratios[s, c])]
-        verdict = f"MISSED at {', '.join(misses)}" if misses else "met" if len(unmeasured) < len(big) else "not measured"
-        verdict += f"; not measured at {', '.join(unmeasured)}" if unmeasured and verdict != "not measured" else ""
-        lines.append(f"- {c}: audited/plain time <= {TIME_RATIO}x from 1M parameters up: {verdict}")
-    failed = [f"- {kind} {size} {c} failed: {r['error']}" for (size, kind, c), r in results.items() if "error" in r]
+    for mode in args.modes:
+        for c in audited:
+            growth = extra[large, mode, c] - extra[small, mode, c] if small != large else float("nan")
+            verdict = "not measured" if np.isnan(growth) else "met" if growth <= MEMORY_GROWTH_MB else "MISSED"
+            lines.append(f"- {label(mode, c)}: extra peak memory grows by {fmt(growth, ',.0f')} MB from {small} to {large} "
+                         f"(target <= {MEMORY_GROWTH_MB:.0f} MB): {verdict}")
+            big = [s for s in args.sizes if SIZES[s][0] >= TIME_FROM]
+            misses = [f"{s} {ratios[s, mode, c]:.2f}x" for s in big if ratios[s, mode, c] > TIME_RATIO]
+            unmeasured = [s for s in big if np.isnan(ratios[s, mode, c])]
+            verdict = f"MISSED at {', '.join(misses)}" if misses else "met" if len(unmeasured) < len(big) else "not measured"
+            verdict += f"; not measured at {', '.join(unmeasured)}" if unmeasured and verdict != "not measured" else ""
+            lines.append(f"- {label(mode, c)}: audited/plain time <= {TIME_RATIO}x from 1M parameters up: {verdict}")
+    failed = [f"- {kind} {size} {label(mode, c)} failed: {r['error']}"
+              for (size, mode, kind, c), r in results.items() if "error" in r]
     lines += failed and ["", f"Failed cells (each process limited to {args.max_gb:g} GB of address space):"] + failed
     lines.append(f"\n{time.perf_counter() - start:.0f} s in this run ({reused} cells kept from --resume)")
     print("\n".join(lines))

@@ -8,7 +8,7 @@ manually: forward, criterion(..., shape=(batch, length)), manual_backward, step.
 make_private runs in configure_optimizers on the inner transformer, which Opacus hooks in
 place; the data is a seeded random Markov chain over tokens (examples/_transformer.py).
 
-    .venv/bin/python examples/transformer_ghost.py [--steps 20] [--size 25M] [--batch-size 32]
+    .venv/bin/python examples/transformer_ghost.py [--steps 20] [--size 25M] [--batch-size 16]
         [--seq-len 64] [--noise-multiplier 1.0] [--seed 0] [--log-dir dpaudit_runs]
 """
 
@@ -89,7 +89,7 @@ class GhostClippedLM(pl.LightningModule):
         return optimizer
 
 
-def train(size: str = "25M", steps: int = 20, batch_size: int = 32, seq_len: int = 64, noise_multiplier: float = 1.0,
+def train(size: str = "25M", steps: int = 20, batch_size: int = 16, seq_len: int = 64, noise_multiplier: float = 1.0,
           seed: int = 0, log_dir: str = "dpaudit_runs", lr: float = 1e-3, audit: bool = True, log_every_n_steps: int = 5,
           progress_bar: bool = True):
     """Fit `steps` steps; the LightningModule (its `losses`, one per step) and the callback (None if not audited)."""
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", default="25M", choices=list(SIZES))
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=1e-3)

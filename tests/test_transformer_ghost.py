@@ -14,6 +14,7 @@ import transformer_ghost as example  # noqa: E402
 from _transformer import SIZES, build_model, count_parameters, markov_tokens  # noqa: E402
 
 # about 1 M parameters; sigma 0.5 and Adam at 1e-2 so that 30 noisy steps visibly learn
+STEPS_TO_CATCH = 8  # one check of the audit's pending readings
 TINY = dict(size="1M", steps=30, batch_size=32, seq_len=32, noise_multiplier=0.5, seed=0, lr=1e-2, progress_bar=False)
 
 
@@ -96,6 +97,38 @@ def test_correct_run_is_quiet_and_logs_epsilons(audited):
         assert logged[-1].value == pytest.approx(value, rel=1e-5), tag
 
 
+def _fit(module, steps, batch_size=16, callbacks=()):
+    """`steps` steps of `module` on the example's Markov tokens, Poisson-sampled; no logger."""
+    import pytorch_lightning as pl
+    from opacus.lightning import DPLightningDataModule
+
+    trainer = pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", callbacks=list(callbacks))
+    data = example.MarkovText(SIZES[module.hparams.size][0], module.hparams.seq_len, batch_size, seed=0)
+    trainer.fit(module, datamodule=DPLightningDataModule(data))
+    return module
+
+
+def test_the_audit_catches_a_ghost_clipping_bug_in_the_transformer(single_thread):
+    """nn.Linear's ghost norms halved in this model's clipping module: the first check raises the alarm."""
+    from lightning_dpaudit import DPAuditCallback
+    from lightning_dpaudit.integrations.ghost_bugs import inject_ghost_bug
+
+    class HalvedLinearNorms(example.GhostClippedLM):
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            inject_ghost_bug(optimizer, self.criterion.module, "halved-linear-norms")
+            return optimizer
+
+    alarms = []
+    callback = DPAuditCallback(alert=alarms.append, seed=0, report=False)
+    module = HalvedLinearNorms(size="1M", seq_len=16, noise_multiplier=0.5, lr=1e-2, seed=0)
+    _fit(module, steps=STEPS_TO_CATCH, callbacks=[callback])
+    assert len(alarms) == 1 and alarms[0].violation and alarms[0].first_violation_step <= STEPS_TO_CATCH
+    layer = [f for f in alarms[0].findings if f.code == "layer"]
+    assert layer and "attention.qkv.weight 2." in layer[0].message  # linear weights released at about 2 C
+
+
 def test_automatic_optimization_refuses_the_ghost_loss_but_takes_it_in_a_dict(tmp_path):
     """What the docs say of automatic optimization: a bare loss is refused; {"loss": loss} steps as manual does."""
     from lightning_fabric.utilities.exceptions import MisconfigurationException
@@ -112,22 +145,13 @@ def test_automatic_optimization_refuses_the_ghost_loss_but_takes_it_in_a_dict(tm
             loss = self.criterion(logits.reshape(-1, v), tokens[:, 1:].reshape(-1), shape=(b, t))
             return {"loss": loss} if self.wrap else loss
 
-    def fit(module):
-        import pytorch_lightning as pl
-        from opacus.lightning import DPLightningDataModule
-
-        trainer = pl.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, accelerator="cpu")
-        trainer.fit(module, datamodule=DPLightningDataModule(example.MarkovText(SIZES["1M"][0], 16, 16, seed=0)))
-        return module
-
     options = dict(size="1M", seq_len=16, noise_multiplier=0.5, lr=1e-2, seed=0)
     with pytest.raises(MisconfigurationException, match="must return a Tensor"):
-        fit(Automatic(wrap=False, **options))
+        _fit(Automatic(wrap=False, **options), steps=3)
     torch.manual_seed(0)
-    automatic = fit(Automatic(wrap=True, **options))
+    automatic = _fit(Automatic(wrap=True, **options), steps=3)
     torch.manual_seed(0)
-    manual = fit(example.GhostClippedLM(**options))
+    manual = _fit(example.GhostClippedLM(**options), steps=3)
     start = build_model("1M", 16, seed=0)
     for p, q, p0 in zip(automatic.model.parameters(), manual.model.parameters(), start.parameters()):
         assert torch.equal(p, q) and not torch.equal(p, p0)
