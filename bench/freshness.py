@@ -65,7 +65,8 @@ def false_alarms(runs: int, steps: int, seed: int, with_fingerprints: bool):
         crossed += hit_c
         matched += hit_f
         if (run + 1) % 1000 == 0:
-            print(f"  {run + 1}/{runs} runs: correlation {crossed}, fingerprints {matched}", flush=True)
+            print(f"  {run + 1}/{runs} runs: correlation {crossed}" + (f", fingerprints {matched}" if with_fingerprints else ""),
+                  flush=True)
     return crossed, matched
 
 
