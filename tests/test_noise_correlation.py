@@ -144,3 +144,16 @@ def test_bad_input_is_rejected_and_the_module_imports_no_torch():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "torch" not in imported
+
+
+def test_sentinels_without_noise_carry_no_correlation():
+    # An un-noised tensor leaves rounding residues of one sign at its sentinels every step:
+    # below QUIET they count as no noise, so the fresh rest decides (alpha 1e-6: a correct
+    # implementation fails with probability <= 1e-6).
+    noise = _fresh(np.random.default_rng(8), 3_000)
+    noise[:, :40] = 3e-7
+    test = _first_crossing(noise, alpha=1e-6)
+    assert test.first is None
+    counted = NoiseCorrelation(BITS, alpha=1e-6)  # the same residues counted as signs would be found at once
+    assert _first_crossing(noise * np.where(np.arange(BITS) < 40, 1e4, 1.0), alpha=1e-6).first[0] < 20
+    assert counted.signs(noise[0])[:40].tolist() == [0.0] * 40
