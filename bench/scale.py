@@ -86,7 +86,8 @@ def build(size, config, canaries, model_kind="mlp", mode="hooks"):
             canary_inputs=torch.randn(HOLDOUT, FEATURES, generator=held_out),
             canary_labels=torch.randint(0, CLASSES, (HOLDOUT,), generator=held_out),
         )
-    return model, optimizer, list(zip(x.split(batch), y.split(batch))), lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
+    batches = list(zip(x.split(batch), y.split(batch)))
+    return model, optimizer, batches, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
 
 
 def build_transformer(size, config, canaries, mode):
@@ -137,7 +138,8 @@ def memory_cell(size, config, args):
 
 
 def timing_cell(size, config, args):
-    plain, audited = build(size, "plain", None, args.model, args.mode), build(size, config, args.canaries, args.model, args.mode)
+    plain = build(size, "plain", None, args.model, args.mode)
+    audited = build(size, config, args.canaries, args.model, args.mode)
     for run in (plain, audited):
         train(run, WARMUP)
     times = {"plain": [], "audited": []}

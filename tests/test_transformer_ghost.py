@@ -13,8 +13,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import transformer_ghost as example  # noqa: E402
 from _transformer import SIZES, build_model, count_parameters, markov_tokens  # noqa: E402
 
-# about 1 M parameters; sigma 0.5 and Adam at 1e-2 so that 30 noisy steps visibly learn
 STEPS_TO_CATCH = 8  # one check of the audit's pending readings
+# about 1 M parameters; sigma 0.5 and Adam at 1e-2 so that 30 noisy steps visibly learn
 TINY = dict(size="1M", steps=30, batch_size=32, seq_len=32, noise_multiplier=0.5, seed=0, lr=1e-2, progress_bar=False)
 
 
@@ -91,7 +91,8 @@ def test_correct_run_is_quiet_and_logs_epsilons(audited):
     n_observations = [v.value for v in scalars.Scalars("dpaudit/n_observations")]
     assert n_observations == sorted(n_observations) and n_observations[-1] == result.n_in + result.n_out
     # the epsilons at least at the end (a log step may skip them for the logging budget)
-    for tag, value in [("dpaudit/eps_lower_bound", result.epsilon_lower_bound), ("dpaudit/eps_accountant", result.epsilon_accountant)]:
+    ends = {"dpaudit/eps_lower_bound": result.epsilon_lower_bound, "dpaudit/eps_accountant": result.epsilon_accountant}
+    for tag, value in ends.items():
         logged = scalars.Scalars(tag)
         assert {v.step for v in logged} <= {10, 20, 30} and logged[-1].step == 30, tag
         assert logged[-1].value == pytest.approx(value, rel=1e-5), tag
