@@ -13,6 +13,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
+from ..distributed import Collectives
 from ..kinds.base import Planted, ReleaseView
 
 Read = Callable[[ReleaseView], None]
@@ -70,6 +71,32 @@ class LocalChecks:
 
     def agree(self, fired: list, recheck, note_problem) -> list:
         return fired
+
+
+class DistributedChecks:
+    """Set-up of a path over several processes (needs `optimizer`, `probe`, `collectives`): one-run
+    only, rank 0's seed on every rank, and every rank starting from the same settings, seed and pool
+    (plus `start_values()`, what else must agree at the start)."""
+
+    @staticmethod
+    def check_options(options) -> None:
+        if options.mode != "one-run":
+            raise ValueError("a distributed audit runs in mode='one-run' (a second privatization would need a second release)")
+
+    @staticmethod
+    def agree_on_seed(seed: Optional[int]) -> int:
+        return Collectives().agree_on_seed(seed)
+
+    def verify_start(self, per_step: int, seed) -> None:
+        opt = self.optimizer
+        self.collectives.verify_same(
+            np.concatenate([[per_step, float(opt.noise_multiplier), float(opt.max_grad_norm), seed],
+                            self.probe.pool.cpu().numpy(), self.start_values()]),
+            "the audit's settings, its seed or the model at the start",
+        )
+
+    def start_values(self) -> np.ndarray:
+        return np.zeros(0)
 
 
 def no_canaries(k: int) -> np.ndarray:

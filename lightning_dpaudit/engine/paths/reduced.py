@@ -17,19 +17,17 @@ on the host every step (its all-reduce is per step anyway).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from .. import distributed as dist
 from ..kinds.input_canaries import InputCanaries
 from ..kinds.base import Planted, ReleaseView
 from ..probe import GradientProbe
-from .base import PathSettings
+from .base import DistributedChecks, PathSettings
 from .per_sample import PerSampleRelease, restore_data_sum
 
 
-class ReducedRelease(PerSampleRelease):
+class ReducedRelease(DistributedChecks, PerSampleRelease):
     local = False  # problems and alarms wait for a check that every rank reaches
     reads_on_device = False  # the per-step all-reduce reads on the host
 
@@ -44,25 +42,15 @@ class ReducedRelease(PerSampleRelease):
 
     @staticmethod
     def check_options(options) -> None:
-        if options.mode != "one-run":
-            raise ValueError("a distributed audit runs in mode='one-run' (a second privatization would need a second reduction)")
+        DistributedChecks.check_options(options)
         if isinstance(options.canary, InputCanaries):
             raise ValueError(
                 f"input canaries ({options.canary.kind!r}) are not supported under a DistributedDPOptimizer; "
                 "use gradient canaries ('dirac', 'constant' or 'random')"
             )
 
-    @staticmethod
-    def agree_on_seed(seed: Optional[int]) -> int:
-        return dist.Collectives().agree_on_seed(seed)
-
-    def verify_start(self, per_step: int, seed) -> None:
-        opt = self.optimizer
-        self.collectives.verify_same(
-            np.concatenate([[per_step, float(opt.noise_multiplier), float(opt.max_grad_norm), seed],
-                            self.probe.pool.cpu().numpy(), dist.parameter_checksums(self.probe.params)]),
-            "the audit's settings, its seed or the model's parameters at the start",
-        )
+    def start_values(self) -> np.ndarray:
+        return dist.parameter_checksums(self.probe.params)  # the replicas start from the same model
 
     def attach(self, audited_step) -> None:
         super().attach(audited_step)

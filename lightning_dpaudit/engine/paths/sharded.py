@@ -19,19 +19,17 @@ update is the un-audited one.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import torch
 
 from .. import distributed as dist
 from ..kinds.base import Planted, ReleaseView
 from ..probe import GradientProbe
-from .base import PathSettings
+from .base import DistributedChecks, PathSettings
 from .per_sample import PerSampleRelease
 
 
-class ShardedRelease(PerSampleRelease):
+class ShardedRelease(DistributedChecks, PerSampleRelease):
     local = False  # alarms wait for a check every rank reaches
     reads_on_device = False  # the per-step all-reduce reads on the host
 
@@ -39,23 +37,6 @@ class ShardedRelease(PerSampleRelease):
         super().__init__(optimizer, probe, settings)
         self.collectives = dist.Collectives()
         self.shards = [_row_shard(p) for p in probe.params]
-
-    @staticmethod
-    def check_options(options) -> None:
-        if options.mode != "one-run":
-            raise ValueError("an FSDP audit runs in mode='one-run' (a second privatization would need a second release)")
-
-    @staticmethod
-    def agree_on_seed(seed: Optional[int]) -> int:
-        return dist.Collectives().agree_on_seed(seed)
-
-    def verify_start(self, per_step: int, seed) -> None:
-        opt = self.optimizer
-        self.collectives.verify_same(
-            np.concatenate([[per_step, float(opt.noise_multiplier), float(opt.max_grad_norm), seed],
-                            self.probe.pool.cpu().numpy()]),
-            "the audit's settings, its seed or the model's shapes at the start",
-        )
 
     def _factor(self) -> float:
         return 1.0 / self.collectives.size if self.optimizer.loss_reduction == "mean" else 1.0
