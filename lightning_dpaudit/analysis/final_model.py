@@ -1,0 +1,139 @@
+"""The final-model audit: the trained model's scores of its canaries -> epsilon lower bounds.
+
+Threat model: an adversary who sees only the released model, and knows the m canaries
+but not which of them (each with probability 1/2) were trained on. The bounds
+(estimators/one_run_guesses.py) hold at `confidence`:
+
+    steinke   (epsilon, delta)-DP, Steinke, Nasr and Jagielski (2023)
+    fdp       the Gaussian trade-off curve through (epsilon, delta), Mahloujifar et al. (2024)
+
+The result is compared with the accountant's epsilon for the whole run; only the bound
+of the end of training is tested against it, once (`violation`); bounds taken during
+training draw a curve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional
+
+import numpy as np
+
+from ..estimators.one_run_guesses import GuessBound, one_run_bounds
+
+SCORES = ("loss", "loss_change", "logit_margin")
+HEADLINE = "steinke"  # the estimator whose claim is the accountant's: (epsilon, delta)-DP
+BINS = 30
+
+
+@dataclass(frozen=True)
+class FinalModelResult:
+    """One final-model audit of the model at `epoch` / `step`.
+
+    bounds: estimator name -> GuessBound. histograms: score name -> (edges, counts of
+    included canaries, counts of excluded ones). epsilon_lower_bound: the "steinke" bound.
+    """
+
+    epoch: Optional[int]
+    step: Optional[int]
+    kind: Optional[str]
+    num_canaries: int
+    num_included: int
+    confidence: float
+    delta: float
+    selection: str
+    accountant_epsilon: Optional[float]
+    bounds: Dict[str, GuessBound]
+    histograms: Dict[str, tuple] = field(repr=False)
+
+    @property
+    def epsilon_lower_bound(self) -> float:
+        return self.bounds[HEADLINE].epsilon
+
+    @property
+    def violation(self) -> bool:
+        """The (epsilon, delta) bound exceeds the accountant's epsilon for the run."""
+        claim = self.accountant_epsilon
+        return claim is not None and math.isfinite(claim) and self.epsilon_lower_bound > claim
+
+    def to_dict(self) -> dict:
+        return {
+            "epoch": self.epoch, "step": self.step, "kind": self.kind,
+            "num_canaries": self.num_canaries, "num_included": self.num_included,
+            "confidence": self.confidence, "delta": self.delta, "selection": self.selection,
+            "accountant_epsilon": self.accountant_epsilon,
+            "epsilon_lower_bound": self.epsilon_lower_bound, "violation": self.violation,
+            "bounds": {name: dict(b.__dict__) for name, b in self.bounds.items()},
+            "histograms": {
+                name: {"edges": list(map(float, e)), "included": list(map(int, a)), "excluded": list(map(int, b))}
+                for name, (e, a, b) in self.histograms.items()
+            },
+        }
+
+
+def audit_final_model(
+    scores: Mapping[str, np.ndarray], included, *, delta: float, confidence: float = 0.95,
+    accountant_epsilon: Optional[float] = None, epoch: Optional[int] = None, step: Optional[int] = None,
+    selection: str = "union", kind: Optional[str] = None, seed: int = 0,
+) -> FinalModelResult:
+    """Guess membership from `scores` (name -> one value per canary, larger = more likely
+    included) and bound epsilon with each one-run estimator."""
+    included = np.asarray(included, dtype=bool).reshape(-1)
+    bounds = one_run_bounds(scores, included, delta=delta, confidence=confidence, selection=selection, seed=seed)
+    return FinalModelResult(
+        epoch=epoch, step=step, kind=kind, num_canaries=len(included), num_included=int(included.sum()),
+        confidence=float(confidence), delta=float(delta), selection=selection,
+        accountant_epsilon=None if accountant_epsilon is None else float(accountant_epsilon),
+        bounds=bounds, histograms={name: _histogram(np.asarray(v, float), included) for name, v in scores.items()},
+    )
+
+
+def _histogram(values: np.ndarray, included: np.ndarray) -> tuple:
+    """Common bin edges over all canaries; counts of the included and of the excluded ones."""
+    low, high = (float(values.min()), float(values.max())) if len(values) else (0.0, 1.0)
+    edges = np.linspace(low, high if high > low else low + 1.0, BINS + 1)
+    return edges, np.histogram(values[included], edges)[0], np.histogram(values[~included], edges)[0]
+
+
+def histogram_panel(final_model: dict, ax) -> None:
+    """Draw the included and excluded canaries' histograms of the score the bound ranked by."""
+    bound = final_model["bounds"][HEADLINE]
+    score = bound["score"]
+    hist = final_model["histograms"][score]
+    edges = np.asarray(hist["edges"], float)
+    width = np.diff(edges)
+    ax.bar(edges[:-1], hist["excluded"], width=width, align="edge", alpha=0.55, color="C0", label="not trained on")
+    ax.bar(edges[:-1], hist["included"], width=width, align="edge", alpha=0.55, color="C3", label="trained on")
+    guesses = f"{bound['correct']} of {bound['guesses_in'] + bound['guesses_out']} guesses right"
+    ax.set_title(f"Final model: canary {score.replace('_', ' ')}\n{guesses}", fontsize=10)
+    ax.set_xlabel(f"{score.replace('_', ' ')} (larger: more likely trained on)")
+    ax.set_ylabel("canaries")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+
+
+def summary_lines(final_model: dict) -> list:
+    """The final-model section of the printed summary."""
+    fm = final_model
+    claim = fm.get("accountant_epsilon")
+    verdict = "VIOLATION: the released model leaks beyond the claim" if fm.get("violation") else "OK: within the claim"
+    lines = [f"Final model ({fm.get('num_canaries')} {fm.get('kind') or ''} canaries, {fm.get('num_included')} trained on; "
+             f"epoch {fm.get('epoch')}): {verdict}"]
+    for name, label in (("steinke", "epsilon, (eps, delta)-DP"), ("fdp", "epsilon, Gaussian f-DP")):
+        b = (fm.get("bounds") or {}).get(name)
+        if not b:
+            continue
+        rule = f"{b['score']}: {b['correct']}/{b['guesses_in'] + b['guesses_out']} right ({b['guesses_in']} in, {b['guesses_out']} out)"
+        lines.append(f"  {label:<26} {_number(b['epsilon']):>6}   {rule}")
+    lines.append(f"  {'accountant epsilon':<26} {_number(claim):>6}   {fm.get('selection')} guess selection, "
+                 f"{_number(fm.get('confidence'))} confidence")
+    return lines
+
+
+def _number(x) -> str:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return "n/a"
+    return "n/a" if math.isnan(x) else f"{x:.2f}"
