@@ -14,6 +14,9 @@ from typing import Any, Optional
 import numpy as np
 from scipy.stats import norm
 
+from .final_model import histogram_panel
+from .final_model import summary_lines as final_model_lines
+
 JSON_NAME = "audit_report.json"
 PNG_NAME = "audit_report.png"
 MAX_THRESHOLDS = 2000
@@ -164,16 +167,20 @@ def curves_figure(history, ax=None):
 
 
 def report_figure(
-    in_values=None, out_values=None, history=None, *, mu_claimed: float, mu_lower: Optional[float] = None, histogram=None
+    in_values=None, out_values=None, history=None, *, mu_claimed: float, mu_lower: Optional[float] = None, histogram=None,
+    final_model: Optional[dict] = None,
 ):
-    """Two panels side by side: the trade-off (left) and the running epsilon curves (right).
+    """Panels side by side: the trade-off, the running epsilon curves and, with a final-model
+    audit (its to_dict()), the trained model's scores of included and excluded canaries.
 
     The trade-off comes from the raw observations or from `histogram` (see tradeoff_figure).
     """
-    fig = _figure((11.5, 5.0))
-    left, right = fig.subplots(1, 2)
-    tradeoff_figure(in_values, out_values, mu_claimed=mu_claimed, mu_lower=mu_lower, ax=left, histogram=histogram)
-    curves_figure(history, ax=right)
+    fig = _figure((16.5 if final_model else 11.5, 5.0))
+    axes = fig.subplots(1, 3 if final_model else 2)
+    tradeoff_figure(in_values, out_values, mu_claimed=mu_claimed, mu_lower=mu_lower, ax=axes[0], histogram=histogram)
+    curves_figure(history, ax=axes[1])
+    if final_model:
+        histogram_panel(final_model, axes[2])
     fig.tight_layout()
     return fig
 
@@ -215,13 +222,15 @@ def _jsonable(obj: Any) -> Any:
 
 
 def write_report(
-    directory, result, *, settings: dict, versions: dict, history: list, in_values=None, out_values=None, histogram=None
+    directory, result, *, settings: dict, versions: dict, history: list, in_values=None, out_values=None, histogram=None,
+    final_model: Optional[dict] = None,
 ):
     """Write directory/audit_report.json (result, settings, versions, history) and audit_report.png.
 
     The PNG's trade-off comes from the raw observations (in_values, out_values) or from
     histogram = (edges, in_counts, out_counts). The JSON is strict (nan -> null,
-    infinities -> "inf"/"-inf"). Returns (json_path, png_path).
+    infinities -> "inf"/"-inf"). final_model: the final-model audit's section (its result's
+    to_dict(), with "history": the bounds during training). Returns (json_path, png_path).
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,10 +240,13 @@ def write_report(
         "versions": dict(versions or {}),
         "history": list(history or []),
     }
+    if final_model:
+        record["final_model"] = final_model
     json_path, png_path = out / JSON_NAME, out / PNG_NAME
     json_path.write_text(json.dumps(_jsonable(record), indent=2, allow_nan=False) + "\n")
     fig = report_figure(
-        in_values, out_values, history, mu_claimed=result.mu_claimed, mu_lower=result.mu_lower_bound, histogram=histogram
+        in_values, out_values, history, mu_claimed=result.mu_claimed, mu_lower=result.mu_lower_bound, histogram=histogram,
+        final_model=final_model,
     )
     fig.savefig(png_path, dpi=110)
     return json_path, png_path
@@ -342,6 +354,8 @@ def summary_table(report: dict) -> str:
                 f"  {str(layer.get('name')):<{wn}}  {_f(layer.get('mu_lower_bound')):>8}  "
                 f"{_f(layer.get('mu_claimed')):>10}  {n:>13}  {flag}".rstrip()
             )
+    if isinstance(report.get("final_model"), dict):
+        lines += ["", *final_model_lines(report["final_model"])]
     return "\n".join(lines)
 
 

@@ -24,6 +24,8 @@ from ..engine.auditor import PrivacyAuditor
 from ..engine.options import check_accountant, flag, integer, one_argument_callable, real
 from ..analysis.monitor import POOLED
 from .budget import TimeBudget
+from .final_model_audit import FinalModelTracker
+from .trainer_lookup import batches_per_epoch, check_accountant_matches, find_dp_optimizer, log_dir, module_accountant
 from .logged_values import CHART_LAYOUT, _add_histogram, _finite, _from_checkpoint, _plain, _to_checkpoint, _versions
 from ..analysis.results import AuditResult, violation_message
 
@@ -48,6 +50,9 @@ class DPAuditCallback(Callback):
     restore it on resume, so that a resumed run does not replay earlier noise. Without
     such a generator (the noise comes from torch's global generator, or from the OS in
     secure mode) it warns once and saves nothing (docs/resuming.md).
+    final_model_canaries: a FinalModelCanaries whose wrap() made the training data: the
+    trained model scores them at the end of fit (and every `final_model_every_n_epochs`
+    epochs) for the final-model bound, logged and reported beside the step audit's.
     auditor_options: passed to PrivacyAuditor (delta, confidence, canary, mode, ...). Input
     canaries go through the LightningModule's forward unless `module=` names another model.
     """
@@ -62,6 +67,8 @@ class DPAuditCallback(Callback):
         report: bool = True,
         logging_budget: float = 0.02,
         checkpoint_noise_generator: bool = False,
+        final_model_canaries=None,
+        final_model_every_n_epochs: Optional[int] = None,
         **auditor_options,
     ):
         if callable(alert):
@@ -74,8 +81,8 @@ class DPAuditCallback(Callback):
         if unknown:
             raise ValueError(
                 f"Unexpected option(s) for DPAuditCallback: {', '.join(unknown)}; it takes alert, "
-                "log_every_n_steps, accountant, optimizer, report, logging_budget, checkpoint_noise_generator and "
-                "PrivacyAuditor's options"
+                "log_every_n_steps, accountant, optimizer, report, logging_budget, checkpoint_noise_generator, "
+                "final_model_canaries, final_model_every_n_epochs and PrivacyAuditor's options"
             )
         check_accountant(accountant)
         self.alert = alert
@@ -87,6 +94,8 @@ class DPAuditCallback(Callback):
         self.checkpoint_noise_generator = flag("checkpoint_noise_generator", checkpoint_noise_generator)
         self._warned_generator = False
         self.auditor_options = auditor_options
+        every = None if final_model_every_n_epochs is None else integer("final_model_every_n_epochs", final_model_every_n_epochs, 1)
+        self.final_model = None if final_model_canaries is None else FinalModelTracker(final_model_canaries, every)
         self.auditor: Optional[PrivacyAuditor] = None
         self.history: list = []
         self.alerted = False
@@ -110,9 +119,9 @@ class DPAuditCallback(Callback):
     # ------------------------------------------------------------------ set-up
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        optimizer = self.optimizer if self.optimizer is not None else _find_dp_optimizer(trainer.optimizers)
-        accountant = self.accountant if self.accountant is not None else _module_accountant(pl_module)
-        _check_accountant(accountant, optimizer)
+        optimizer = self.optimizer if self.optimizer is not None else find_dp_optimizer(trainer.optimizers)
+        accountant = self.accountant if self.accountant is not None else module_accountant(pl_module)
+        check_accountant_matches(accountant, optimizer)
         self._trainer = trainer
         options = dict(self.auditor_options)
         module = options.pop("module", pl_module)  # input canaries go through its forward
@@ -136,7 +145,9 @@ class DPAuditCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.auditor is not None and trainer.world_size > 1:
-            self.auditor.check_sample_rate(_batches_per_epoch(trainer))
+            self.auditor.check_sample_rate(batches_per_epoch(trainer))
+        if self.final_model is not None:
+            self.final_model.start(pl_module)
 
     @rank_zero_only
     def _add_chart_layout(self, trainer) -> None:
@@ -160,6 +171,8 @@ class DPAuditCallback(Callback):
                 self._log(trainer, pl_module, result)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.final_model is not None and self.auditor is not None and self.final_model.due(trainer.current_epoch):
+            self._audit_final_model(trainer, pl_module, self.auditor.result())
         if self.auditor is not None and self.auditor.steps:
             with self.budget.spend("figure") as allowed:
                 if allowed:
@@ -173,8 +186,26 @@ class DPAuditCallback(Callback):
             self._log(trainer, pl_module, result, progress_bar=False)
         elif not self.history or self.history[-1]["step"] != result.steps:
             self._log_epsilons(trainer, result)  # the last log step skipped them for the budget
+        if self.final_model is not None:
+            final = self._audit_final_model(trainer, pl_module, result)
+            if final.violation and not self.alerted:
+                message = (f"final-model audit: epsilon >= {final.epsilon_lower_bound:.3g} from {final.num_canaries} canaries "
+                           f"exceeds the accountant's {final.accountant_epsilon:.3g} (delta={final.delta:g})")
+                if self.alert == "raise":
+                    raise PrivacyViolationError(message)
+                rank_zero_warn(message, category=UserWarning)
         if self.report:
             self._write_report(trainer, result)
+
+    def _audit_final_model(self, trainer, pl_module, result: AuditResult):
+        """Score the final-model canaries with the model as it is now; log the bounds (rank 0)."""
+        final = self.final_model.evaluate(
+            pl_module, epoch=trainer.current_epoch, step=self.auditor.steps, delta=result.delta,
+            confidence=result.confidence, accountant_epsilon=result.epsilon_accountant,
+        )
+        if trainer.is_global_zero:
+            self.final_model.log(trainer, final)
+        return final
 
     # ------------------------------------------------------------------ alerts
 
@@ -260,7 +291,7 @@ class DPAuditCallback(Callback):
     def _write_report(self, trainer, result: AuditResult) -> None:
         from ..analysis.report import summary_table, write_report
 
-        directory = Path(_log_dir(trainer))
+        directory = Path(log_dir(trainer))
         json_path, png_path = write_report(
             directory,
             result,
@@ -268,15 +299,19 @@ class DPAuditCallback(Callback):
             versions=_versions(),
             history=self.history,
             histogram=self.auditor.log.histogram(),
+            final_model=self.final_model.report_section() if self.final_model is not None else None,
         )
         self.report_paths = (json_path, png_path)
-        print(summary_table({"result": result.to_dict()}))
+        section = self.final_model.report_section() if self.final_model is not None else None
+        print(summary_table({"result": result.to_dict(), **({"final_model": section} if section else {})}))
         print(f"audit report: {json_path} and {png_path}")
 
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict:
         state = {"history": list(self.history), "alerted": self.alerted}
+        if self.final_model is not None:
+            state["final_model"] = self.final_model.state_dict()
         if self.auditor is not None:
             state["auditor"] = _to_checkpoint(self.auditor.state_dict())
             if self.auditor.accountant is not None:
@@ -310,6 +345,8 @@ class DPAuditCallback(Callback):
         return None
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.final_model is not None and state_dict.get("final_model") is not None:
+            self.final_model.load_state_dict(state_dict["final_model"])  # before the data loader first reads the canaries
         self._pending_state = dict(state_dict)
         if self.auditor is not None:
             self._restore(self._pending_state)
@@ -329,55 +366,3 @@ class DPAuditCallback(Callback):
             generator = self._noise_generator()
             if generator is not None:
                 generator.set_state(state["noise_generator"])
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _find_dp_optimizer(optimizers):
-    from opacus.optimizers import DPOptimizer
-
-    found = [opt for opt in optimizers if isinstance(opt, DPOptimizer)]
-    if not found:
-        names = ", ".join(type(o).__name__ for o in optimizers) or "none"
-        raise RuntimeError(
-            "DPAuditCallback looked for an Opacus DPOptimizer among trainer.optimizers and found "
-            f"{names}. Call PrivacyEngine.make_private(...) in configure_optimizers (or before building the "
-            "Trainer) and return its optimizer, or pass DPAuditCallback(optimizer=...)."
-        )
-    if len(found) > 1:
-        raise RuntimeError(
-            f"DPAuditCallback found {len(found)} DP optimizers; pass the one to audit as DPAuditCallback(optimizer=...)"
-        )
-    return found[0]
-
-
-def _module_accountant(pl_module):
-    engine = getattr(pl_module, "privacy_engine", None)
-    return getattr(engine, "accountant", None)
-
-
-def _check_accountant(accountant, optimizer) -> None:
-    if accountant is None or not accountant.history:
-        return
-    last_sigma = accountant.history[-1][0]
-    if not math.isclose(last_sigma, optimizer.noise_multiplier, rel_tol=1e-9):
-        raise ValueError(
-            f"the accountant's history ends with noise multiplier {last_sigma}, but the optimizer uses "
-            f"{optimizer.noise_multiplier}: pass the accountant of this optimizer's PrivacyEngine"
-        )
-
-
-def _batches_per_epoch(trainer) -> int:
-    """Steps in one epoch of this rank's training data loader (0 when it has no length)."""
-    try:
-        return len(trainer.train_dataloader)
-    except TypeError:
-        return 0
-
-
-def _log_dir(trainer) -> str:
-    for logger in trainer.loggers:
-        if getattr(logger, "log_dir", None):
-            return logger.log_dir
-    return trainer.default_root_dir

@@ -1,0 +1,89 @@
+"""The final-model audit inside DPAuditCallback: score the canaries, log and keep the bounds.
+
+At the start of training the canaries' losses are recorded (the "loss_change" score);
+every `every_n_epochs` epochs, and at the end of fit, the model scores them and the
+one-run estimators bound epsilon (analysis/final_model.py). Only the end-of-fit bound is
+compared with the accountant's epsilon; the bounds during training draw a curve.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from pytorch_lightning.loggers import TensorBoardLogger
+
+from ..analysis.final_model import FinalModelResult
+from .logged_values import _add_histogram
+
+PREFIX = "dpaudit/final_model"
+
+
+class FinalModelTracker:
+    """Holds a FinalModelCanaries for the callback: when to score, what to log and save."""
+
+    def __init__(self, canaries, every_n_epochs: Optional[int] = None, selection: str = "union"):
+        from ..engine.final_model import FinalModelCanaries
+
+        if not isinstance(canaries, FinalModelCanaries):
+            raise ValueError(
+                f"Unexpected value for `final_model_canaries`: {type(canaries).__name__}; pass a FinalModelCanaries "
+                "whose wrap() made the training data"
+            )
+        self.canaries = canaries
+        self.every_n_epochs = every_n_epochs
+        self.selection = selection
+        self.history: list = []
+        self.result: Optional[FinalModelResult] = None
+
+    def start(self, model) -> None:
+        """The canaries' losses before the first step (kept from a checkpoint on resume)."""
+        if getattr(self.canaries, "start_losses", None) is None:
+            self.canaries.record_start(model)
+
+    def due(self, epoch: int) -> bool:
+        return bool(self.every_n_epochs) and (epoch + 1) % self.every_n_epochs == 0
+
+    def evaluate(self, model, *, epoch: int, step: int, delta: float, confidence: float,
+                 accountant_epsilon: Optional[float]) -> FinalModelResult:
+        """Score the canaries with `model`, bound epsilon and add the point to the curve."""
+        claim = accountant_epsilon if accountant_epsilon is not None and math.isfinite(accountant_epsilon) else None
+        result = self.canaries.audit(
+            model, delta=delta, confidence=confidence, accountant_epsilon=claim, epoch=epoch, step=step,
+            selection=self.selection,
+        )
+        self.result = result
+        self.history = [h for h in self.history if h["step"] != step]
+        self.history.append({
+            "epoch": epoch, "step": step, "eps_lower_bound": result.epsilon_lower_bound,
+            "eps_lower_bound_fdp": result.bounds["fdp"].epsilon, "eps_accountant": claim,
+        })
+        return result
+
+    def log(self, trainer, result: FinalModelResult) -> None:
+        """Both bounds as scalars and the included / excluded score histograms in TensorBoard."""
+        metrics = {f"{PREFIX}/eps_lower_bound": result.epsilon_lower_bound,
+                   f"{PREFIX}/eps_lower_bound_fdp": result.bounds["fdp"].epsilon}
+        metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=result.step)
+            if isinstance(logger, TensorBoardLogger):
+                score = result.bounds["steinke"].score
+                edges, ins, outs = result.histograms[score]
+                edges = np.concatenate([[-np.inf], edges, [np.inf]])  # no under- or overflow: the bins span all scores
+                for name, counts in (("scores_trained_on", ins), ("scores_not_trained_on", outs)):
+                    _add_histogram(logger.experiment, f"{PREFIX}/{name}", edges, np.concatenate([[0], counts, [0]]), result.step)
+
+    def report_section(self) -> Optional[dict]:
+        if self.result is None:
+            return None
+        return {**self.result.to_dict(), "history": list(self.history)}
+
+    def state_dict(self) -> dict:
+        return {"canaries": self.canaries.state_dict(), "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.canaries.load_state_dict(state["canaries"])
+        self.history = list(state.get("history", []))
