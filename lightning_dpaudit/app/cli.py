@@ -12,6 +12,7 @@ from pathlib import Path
 # building the parser does not import torch.
 GRADIENT_CANARIES = ("dirac", "constant", "random")
 INPUT_CANARIES = ("mislabeled", "blank", "adversarial", "crafted")
+FINAL_MODEL_CANARIES = ("ood", "mislabeled", "blank", "crafted")  # final_model.FINAL_MODEL_KINDS
 
 
 def _demo(args) -> int:
@@ -30,6 +31,8 @@ def _demo(args) -> int:
         plan = demo_plan(args.canary, args.steps, args.canaries)
         source = f" from the {plan['source']}" if plan["source"] else ""
         print(f"canary {args.canary!r}: {plan['canaries_per_step']} per step{source}, {plan['steps']} steps")
+        if args.final_model:
+            print(f"final model: {args.final_model} {args.final_model_kind!r} canaries, each trained on with probability 1/2")
     if args.threads:
         import torch
 
@@ -45,6 +48,8 @@ def _demo(args) -> int:
         out=args.out,
         seed=args.seed,
         progress_bar=not args.no_progress_bar,
+        final_model=args.final_model,
+        final_model_kind=args.final_model_kind,
     )
     seconds = time.perf_counter() - start
     log_dir = trainer.logger.log_dir
@@ -131,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         "each kind has its own count and steps, printed at the start",
     )
     demo.add_argument("--canaries", type=_at_least(2), default=None, help="canaries per step (default: as chosen for the kind)")
+    demo.add_argument(
+        "--final-model", type=_at_least(2), nargs="?", const=500, default=None, metavar="M",
+        help="also audit the trained model: M canaries (default 500) in the training data, each with probability 1/2",
+    )
+    demo.add_argument(
+        "--final-model-kind", default="ood", choices=FINAL_MODEL_CANARIES,
+        help="final-model canaries: random out-of-distribution inputs with random labels (ood, default), or "
+        "held-out digits with wrong labels (mislabeled), blank images, or crafted ones",
+    )
     demo.add_argument("--bug", default=None, help="swap in a broken optimizer from the bug zoo (see --list-bugs)")
     demo.add_argument("--list-bugs", action="store_true", help="list the bug zoo and exit")
     demo.add_argument("--no-audit", action="store_true", help="train identically without the audit (baseline)")

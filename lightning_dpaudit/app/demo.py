@@ -145,11 +145,15 @@ def run_demo(
     progress_bar: bool = True,
     alert="warn",
     log_every_n_steps: int = 20,
+    final_model: Optional[int] = None,
+    final_model_kind: str = "ood",
 ):
     """Train the private digits model and audit it; returns (trainer, callback or None).
 
     steps and canaries_per_step default to demo_plan(canary); input canaries are the
-    digits held out from training (held_out_digits).
+    digits held out from training (held_out_digits). final_model: that many final-model
+    canaries of `final_model_kind` join the training data, each with probability 1/2
+    (the demo fixes their secret seed from `seed`, so that a run can be repeated).
     """
     from pytorch_lightning.loggers import TensorBoardLogger
 
@@ -161,7 +165,18 @@ def run_demo(
     if plan["source"] is not None:
         options["canary_inputs"], options["canary_labels"] = held_out_digits(seed)
     pl.seed_everything(seed, verbose=False)
-    datamodule = DPLightningDataModule(DigitsDataModule(seed=seed), generator=torch.Generator().manual_seed(seed))
+    data = DigitsDataModule(seed=seed)
+    if final_model and audit:
+        from ..engine.final_model import FinalModelCanaries
+        from ..integrations.final_model_data import CanaryDataModule
+
+        held_out = held_out_digits(seed) if final_model_kind in ("mislabeled", "crafted") else None
+        model = DigitsCNN() if final_model_kind == "crafted" else None
+        options["final_model_canaries"] = FinalModelCanaries(
+            final_model, final_model_kind, held_out=held_out, num_classes=10, model=model, seed=seed + 7919,
+        )
+        data = CanaryDataModule(data, options["final_model_canaries"])
+    datamodule = DPLightningDataModule(data, generator=torch.Generator().manual_seed(seed))
     module = PrivateDigitsModule(noise_multiplier=noise_multiplier, bug=bug)
     callback = (
         DPAuditCallback(alert=alert, canary=canary, seed=seed, log_every_n_steps=log_every_n_steps, **options)

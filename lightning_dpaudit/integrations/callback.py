@@ -147,7 +147,7 @@ class DPAuditCallback(Callback):
         if self.auditor is not None and trainer.world_size > 1:
             self.auditor.check_sample_rate(batches_per_epoch(trainer))
         if self.final_model is not None:
-            self.final_model.start(pl_module)
+            self.final_model.start(self.auditor_options.get("module", pl_module))
 
     @rank_zero_only
     def _add_chart_layout(self, trainer) -> None:
@@ -199,8 +199,11 @@ class DPAuditCallback(Callback):
 
     def _audit_final_model(self, trainer, pl_module, result: AuditResult):
         """Score the final-model canaries with the model as it is now; log the bounds (rank 0)."""
+        done = self.final_model.result
+        if done is not None and done.step == self.auditor.steps:  # the last epoch's end was the end of fit
+            return done
         final = self.final_model.evaluate(
-            pl_module, epoch=trainer.current_epoch, step=self.auditor.steps, delta=result.delta,
+            self.auditor_options.get("module", pl_module), epoch=trainer.current_epoch, step=self.auditor.steps, delta=result.delta,
             confidence=result.confidence, accountant_epsilon=result.epsilon_accountant,
         )
         if trainer.is_global_zero:

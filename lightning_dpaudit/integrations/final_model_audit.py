@@ -12,6 +12,8 @@ import math
 from typing import Optional
 
 import numpy as np
+import pytorch_lightning as pl
+import torch
 
 from pytorch_lightning.loggers import TensorBoardLogger
 
@@ -40,6 +42,11 @@ class FinalModelTracker:
 
     def start(self, model) -> None:
         """The canaries' losses before the first step (kept from a checkpoint on resume)."""
+        if type(model).forward in (torch.nn.Module.forward, pl.LightningModule.forward):
+            raise ValueError(
+                f"final-model canaries are scored through the model's forward, and {type(model).__name__} defines none: "
+                "add forward() to the LightningModule or pass DPAuditCallback(module=<the model>)"
+            )
         if getattr(self.canaries, "start_losses", None) is None:
             self.canaries.record_start(model)
 
