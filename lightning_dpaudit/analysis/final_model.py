@@ -124,7 +124,8 @@ def summary_lines(final_model: dict) -> list:
         b = (fm.get("bounds") or {}).get(name)
         if not b:
             continue
-        rule = f"{b['score']}: {b['correct']}/{b['guesses_in'] + b['guesses_out']} right ({b['guesses_in']} in, {b['guesses_out']} out)"
+        rule = (f"{b['score']}: {b['correct']}/{b['guesses_in'] + b['guesses_out']} right ({b['guesses_in']} in, "
+                f"{b['guesses_out']} out)" if b["epsilon"] > 0 else "no guess rule did better than chance")
         lines.append(f"  {label:<26} {_number(b['epsilon']):>6}   {rule}")
     lines.append(f"  {'accountant epsilon':<26} {_number(claim):>6}   {fm.get('selection')} guess selection, "
                  f"{_number(fm.get('confidence'))} confidence")
