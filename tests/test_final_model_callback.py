@@ -99,3 +99,21 @@ def test_demo_shows_both_audits(tmp_path, capsys):
     assert "Final model (100 ood canaries" in printed and "(accountant)" in printed
     report = json.loads(next(tmp_path.rglob("audit_report.json")).read_text())
     assert report["final_model"]["num_canaries"] == 100 and report["result"]["steps"] == 20
+
+
+def test_every_process_takes_rank_0s_secret_seed_before_the_data_is_read():
+    from types import SimpleNamespace
+
+    class Rank1Strategy:  # what rank 1 gets back from a broadcast of rank 0's object
+        def broadcast(self, obj, src=0):
+            assert src == 0
+            return 12345
+
+    canaries = _canaries()  # this process's own OS seed
+    callback = DPAuditCallback(final_model_canaries=canaries)
+    callback.setup(SimpleNamespace(world_size=2, strategy=Rank1Strategy()), None, "fit")
+    assert (canaries.included == _canaries(seed=12345).included).all()
+    alone = _canaries()
+    before = alone.included.copy()
+    DPAuditCallback(final_model_canaries=alone).setup(SimpleNamespace(world_size=1, strategy=Rank1Strategy()), None, "fit")
+    assert (alone.included == before).all()

@@ -23,6 +23,8 @@ import numpy as np
 from ..estimators.one_run_guesses import GuessBound, one_run_bounds
 
 SCORES = ("loss", "loss_change", "logit_margin")
+SCORE_LABELS = {"loss": "minus the canary's loss", "loss_change": "drop of the loss since the start",
+                "logit_margin": "logit margin of the canary's label"}
 HEADLINE = "steinke"  # the estimator whose claim is the accountant's: (epsilon, delta)-DP
 BINS = 30
 
@@ -105,9 +107,13 @@ def histogram_panel(final_model: dict, ax) -> None:
     width = np.diff(edges)
     ax.bar(edges[:-1], hist["excluded"], width=width, align="edge", alpha=0.55, color="C0", label="not trained on")
     ax.bar(edges[:-1], hist["included"], width=width, align="edge", alpha=0.55, color="C3", label="trained on")
-    guesses = f"{bound['correct']} of {bound['guesses_in'] + bound['guesses_out']} guesses right"
-    ax.set_title(f"Final model: canary {score.replace('_', ' ')}\n{guesses}", fontsize=10)
-    ax.set_xlabel(f"{score.replace('_', ' ')} (larger: more likely trained on)")
+    label = SCORE_LABELS.get(score, score)
+    guesses = (f"{bound['correct']} of {bound['guesses_in'] + bound['guesses_out']} guesses right"
+               if bound["epsilon"] > 0 else "no guess rule did better than chance")
+    claim = final_model.get("accountant_epsilon")
+    versus = f" (accountant {_number(claim)})" if claim is not None else ""
+    ax.set_title(f"Final model: epsilon >= {_number(bound['epsilon'])}{versus}\n{guesses}", fontsize=10)
+    ax.set_xlabel(f"{label} (larger: more likely trained on)")
     ax.set_ylabel("canaries")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8, framealpha=0.9)

@@ -118,6 +118,10 @@ class DPAuditCallback(Callback):
 
     # ------------------------------------------------------------------ set-up
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.final_model is not None and stage == "fit" and trainer.world_size > 1:
+            self.final_model.share_seed(trainer.strategy)  # before configure_optimizers builds the data loader
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizer = self.optimizer if self.optimizer is not None else find_dp_optimizer(trainer.optimizers)
         accountant = self.accountant if self.accountant is not None else module_accountant(pl_module)

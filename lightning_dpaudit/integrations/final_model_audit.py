@@ -50,6 +50,13 @@ class FinalModelTracker:
         if getattr(self.canaries, "start_losses", None) is None:
             self.canaries.record_start(model)
 
+    def share_seed(self, strategy) -> None:
+        """Every process trains on the same canaries: rank 0's secret seed, set before the data is first read."""
+        state = self.canaries.state_dict()
+        seed = strategy.broadcast(state["seed"], src=0)
+        if seed != state["seed"]:
+            self.canaries.load_state_dict({**state, "seed": seed})
+
     def due(self, epoch: int) -> bool:
         return bool(self.every_n_epochs) and (epoch + 1) % self.every_n_epochs == 0
 
