@@ -1,11 +1,12 @@
 """Lightning DDP runs (2 CPU processes, gloo) of examples/lightning_ddp.py's module, for test_distributed_lightning.py.
 
-    python tests/lightning_ddp_runs.py VARIANT OUT [--steps N] [--alert A] [--bug NAME] [--resume CKPT]
+    python tests/lightning_ddp_runs.py VARIANT OUT [--steps N] [--alert A] [--bug NAME] [--resume CKPT] [--final-model M]
 
 VARIANT "recipe" is the example's module; "unwrapped" gives make_private the bare
 LightningModule and the unsharded loader, the common mistake (a plain DPOptimizer);
 "unsharded" gives it the wrapped model but a loader without a DistributedSampler while
 Lightning shards the training data (the accountant's sample rate is one rank's).
+--final-model M adds M final-model canaries (seed from each process's OS) to the recipe's data.
 """
 
 import argparse
@@ -53,6 +54,13 @@ class Unsharded(PrivateClassifier):
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=DistributedSampler(self.train_set))
 
 
+class Scored(PrivateClassifier):
+    """The recipe with a forward, through which the final-model canaries are scored."""
+
+    def forward(self, x):
+        return self.model(x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("variant", choices=["recipe", "unwrapped", "unsharded"])
@@ -61,19 +69,30 @@ def main() -> None:
     parser.add_argument("--alert", default="warn")
     parser.add_argument("--bug", default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--final-model", type=int, default=None)
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     module = {"recipe": PrivateClassifier, "unwrapped": Unwrapped, "unsharded": Unsharded}[args.variant](bug=args.bug)
+    canaries = None
+    if args.final_model:
+        from lightning_dpaudit.engine.final_model import FinalModelCanaries
+
+        module, canaries = Scored(bug=args.bug), FinalModelCanaries(args.final_model, "ood", num_classes=10)
+        module.train_set = canaries.wrap(module.train_set)  # first read by configure_optimizers' sampler
     trainer = pl.Trainer(
         max_steps=args.steps, accelerator="cpu", devices=2, strategy="ddp", use_distributed_sampler=False,
         logger=CSVLogger(args.out, name="run"), enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[DPAuditCallback(alert=args.alert, log_every_n_steps=10, seed=5),
+        callbacks=[DPAuditCallback(alert=args.alert, log_every_n_steps=10, seed=5, final_model_canaries=canaries),
                    ModelCheckpoint(dirpath=Path(args.out) / "checkpoints", save_last=True)],
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(Full backward hook|Secure RNG|does not have many workers).*")
         trainer.fit(module, ckpt_path=args.resume)
     print(f"rank {trainer.global_rank} finished at step {trainer.global_step}")
+    if canaries is not None:
+        final = trainer.callbacks[0].final_model.result
+        print(f"rank {trainer.global_rank} canaries {canaries.included.astype(int).tolist()} "
+              f"trained on {len(module.train_set)} final-model bound {final.epsilon_lower_bound!r}")
 
 
 if __name__ == "__main__":

@@ -61,3 +61,15 @@ def test_alert_raise_and_stop_end_the_job_on_every_rank(tmp_path):
     code, text = run("recipe", tmp_path / "stop", "--steps", "40", "--bug", "no-noise", "--alert", "stop")
     assert code == 0, text[-3000:]
     assert "rank 0 finished at step 1" in text and "rank 1 finished at step 1" in text
+
+
+def test_final_model_canaries_are_the_same_on_every_rank(tmp_path):
+    """Each process draws its own secret seed; rank 0's is taken by all before the data is read."""
+    import re
+
+    code, text = run("recipe", tmp_path, "--steps", "10", "--final-model", "40")
+    assert code == 0, text[-3000:]
+    lines = dict(re.findall(r"rank (\d) (canaries .*)", text))
+    assert set(lines) == {"0", "1"} and lines["0"] == lines["1"], text[-3000:]
+    report = json.loads(next(tmp_path.glob("run/version_*/audit_report.json")).read_text())
+    assert report["final_model"]["num_canaries"] == 40 and report["final_model"]["step"] == 10
