@@ -74,6 +74,12 @@ _DAMAGED = [
     (json.dumps({"result": {**_GOOD, "epsilon_lower_bound": -3.2}}), r"`epsilon_lower_bound` is -3.2; it cannot be negative"),
     (json.dumps({"result": {**_GOOD, "mu_claimed": "lots"}}), r"`mu_claimed` is 'lots'; expected a number"),
     (json.dumps({"result": {**_GOOD, "first_violation_step": "soon"}}), r"`first_violation_step` is 'soon'"),
+    (json.dumps({"result": _GOOD, "final_model": {"bounds": {}}}), r"final-model section has no `bounds` record"),
+    (json.dumps({"result": _GOOD, "final_model": {"bounds": {"steinke": {"score": "loss", "correct": -1}}}}),
+     r"final-model section bound 'steinke': `correct` is -1"),
+    (json.dumps({"result": _GOOD, "final_model": {"bounds": {"steinke": {
+        "score": "loss", "correct": 1, "guesses_in": 1, "guesses_out": 0, "epsilon": "big"}}}}),
+     r"`epsilon` is 'big'; expected a number >= 0"),
 ]
 
 

@@ -98,6 +98,23 @@ def _histogram(values: np.ndarray, included: np.ndarray) -> tuple:
     return edges, np.histogram(values[included], edges)[0], np.histogram(values[~included], edges)[0]
 
 
+def section_problem(section) -> Optional[str]:
+    """What is wrong with a report's final-model section (None when the summary can read it)."""
+    if not isinstance(section, dict) or not isinstance(section.get("bounds"), dict) or HEADLINE not in section["bounds"]:
+        return f"has no `bounds` record with a {HEADLINE!r} bound"
+    for name, bound in section["bounds"].items():
+        if not isinstance(bound, dict) or not isinstance(bound.get("score"), str):
+            return f"bound {name!r} names no score"
+        for key in ("correct", "guesses_in", "guesses_out"):
+            value = bound.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return f"bound {name!r}: `{key}` is {value!r}; expected a whole number >= 0"
+        epsilon = bound.get("epsilon")
+        if not (isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool) and epsilon >= 0) and epsilon != "inf":
+            return f"bound {name!r}: `epsilon` is {epsilon!r}; expected a number >= 0"
+    return None
+
+
 def histogram_panel(final_model: dict, ax) -> None:
     """Draw the included and excluded canaries' histograms of the score the bound ranked by."""
     bound = final_model["bounds"][HEADLINE]

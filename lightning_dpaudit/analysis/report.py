@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 from scipy.stats import norm
 
-from .final_model import histogram_panel
+from .final_model import histogram_panel, section_problem
 from .final_model import summary_lines as final_model_lines
 
 JSON_NAME = "audit_report.json"
@@ -298,6 +298,8 @@ def check_report(report, path) -> None:
     first = r.get("first_violation_step")
     if first is not None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
         raise ReportError(f"{path}: `first_violation_step` is {first!r}; expected a step number or null")
+    if "final_model" in report and section_problem(report["final_model"]):
+        raise ReportError(f"{path}: the final-model section {section_problem(report['final_model'])}")
     for key in _NUMBERS:
         v = r[key]
         if v is None:  # a number that was not available (nan is written as null)
