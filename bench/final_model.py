@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
 from lightning_dpaudit.engine.final_model import FinalModelCanaries
 from lightning_dpaudit.integrations.bugs import inject_bug
+from lightning_dpaudit.integrations.synthetic import coordinate_canary_task
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
 DELTA = 1e-5
@@ -197,16 +198,9 @@ def run_linear(*, seed=0, target_epsilon=4.0, count=1000, n=200, d=8, classes=4,
     `batch`; `steps` rounded down to whole epochs.
     """
     start = time.perf_counter()
-    g = torch.Generator().manual_seed(seed)
-    centers = 2.0 * torch.randn(classes, d, generator=g)
-    y = torch.randint(classes, (n,), generator=g)
-    x = torch.zeros(n, d + count)
-    x[:, :d] = centers[y] + torch.randn(n, d, generator=g)
-    canary_x = torch.zeros(count, d + count)
-    canary_x[torch.arange(count), d + torch.arange(count)] = scale
-    canary_y = torch.randint(classes, (count,), generator=g)
+    base, canary_x, canary_y = coordinate_canary_task(seed, count, n=n, d=d, classes=classes, scale=scale)
     canaries = FinalModelCanaries(inputs=canary_x, labels=canary_y, num_classes=classes, seed=seed)
-    dataset = canaries.wrap(TensorDataset(x, y))
+    dataset = canaries.wrap(base)
     batch = batch or len(dataset)
     batches = math.ceil(len(dataset) / batch)
     epochs = max(1, steps // batches)

@@ -30,10 +30,11 @@ import torch
 from opacus import PrivacyEngine
 from opacus.accountants.utils import get_noise_multiplier
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_dpaudit.engine.final_model import FinalModelCanaries
 from lightning_dpaudit.integrations.bugs import inject_bug
+from lightning_dpaudit.integrations.synthetic import coordinate_canary_task
 
 DELTA = 1e-5
 STEPS = 50
@@ -44,16 +45,9 @@ def train_audited(seed: int, target_epsilon: float, count: int, bug=None, select
     """One full-batch DP-SGD run with `count` canaries; ({selection: FinalModelResult}, accountant epsilon)."""
     torch.manual_seed(seed)
     n, d, classes, scale = 200, 8, 4, 4.0
-    g = torch.Generator().manual_seed(seed)
-    centers = 2.0 * torch.randn(classes, d, generator=g)
-    y = torch.randint(classes, (n,), generator=g)
-    x = torch.zeros(n, d + count)
-    x[:, :d] = centers[y] + torch.randn(n, d, generator=g)
-    canary_x = torch.zeros(count, d + count)
-    canary_x[torch.arange(count), d + torch.arange(count)] = scale
-    canary_y = torch.randint(classes, (count,), generator=g)
+    base, canary_x, canary_y = coordinate_canary_task(seed, count, n=n, d=d, classes=classes, scale=scale)
     canaries = FinalModelCanaries(inputs=canary_x, labels=canary_y, num_classes=classes, seed=seed)
-    dataset = canaries.wrap(TensorDataset(x, y))
+    dataset = canaries.wrap(base)
     sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=DELTA, sample_rate=1.0, steps=STEPS,
                                  accountant="rdp")
     model = nn.Linear(d + count, classes)
