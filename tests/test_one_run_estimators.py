@@ -117,7 +117,7 @@ def test_split_tests_the_chosen_rule_on_the_other_half():
 
 @pytest.mark.parametrize("selection", ["union", "split"])
 def test_valid_on_simulated_correct_runs(selection):
-    """40 runs of a mechanism exactly mu-GDP per canary (mu = 2: epsilon 7.4 at delta 1e-5).
+    """40 runs of a mechanism exactly mu-GDP per canary (mu = 2: epsilon 10.0 at delta 1e-5).
 
     At 95% confidence a valid bound exceeds the true epsilon in at most 5% of runs: at most
     2 + 6 = 8 of 40 for a correct estimator fails with chance P[Bin(40, 0.05) > 8] < 0.001.
