@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
-from lightning_dpaudit.integrations.callback import _to_checkpoint
+from lightning_dpaudit.integrations.logged_values import _to_checkpoint
 from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
 
 

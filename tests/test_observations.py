@@ -176,7 +176,7 @@ def test_append_refuses_bad_rows():
 
 def _sizes(state):
     """Bytes of the state pickled, and saved with torch.save as a Lightning checkpoint holds it."""
-    from lightning_dpaudit.integrations.callback import _to_checkpoint
+    from lightning_dpaudit.integrations.logged_values import _to_checkpoint
 
     buffer = io.BytesIO()
     torch.save(_to_checkpoint(state), buffer)

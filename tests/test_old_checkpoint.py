@@ -12,7 +12,7 @@ from opacus import PrivacyEngine
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.integrations.callback import _from_checkpoint
+from lightning_dpaudit.integrations.logged_values import _from_checkpoint
 from lightning_dpaudit.integrations.digits import digits_dataset, train_steps
 
 DATA = Path(__file__).parent / "data"

@@ -21,8 +21,8 @@ from typing import Dict, Mapping, Optional
 import numpy as np
 
 from ..estimators.one_run_guesses import GuessBound, one_run_bounds
+from .formatting import fixed
 
-SCORES = ("loss", "loss_change", "logit_margin")
 SCORE_LABELS = {"loss": "minus the canary's loss", "loss_change": "drop of the loss since the start",
                 "logit_margin": "logit margin of the canary's label"}
 HEADLINE = "steinke"  # the estimator whose claim is the accountant's: (epsilon, delta)-DP
@@ -58,6 +58,10 @@ class FinalModelResult:
         """The (epsilon, delta) bound exceeds the accountant's epsilon for the run."""
         claim = self.accountant_epsilon
         return claim is not None and math.isfinite(claim) and self.epsilon_lower_bound > claim
+
+    def violation_message(self) -> str:
+        return (f"final-model audit: epsilon >= {self.epsilon_lower_bound:.3g} from {self.num_canaries} canaries "
+                f"exceeds the accountant's {self.accountant_epsilon:.3g} (delta={self.delta:g})")
 
     def to_dict(self) -> dict:
         return {
@@ -128,8 +132,8 @@ def histogram_panel(final_model: dict, ax) -> None:
     guesses = (f"{bound['correct']} of {bound['guesses_in'] + bound['guesses_out']} guesses right"
                if bound["epsilon"] > 0 else "no guess rule did better than chance")
     claim = final_model.get("accountant_epsilon")
-    versus = f" (accountant {_number(claim)})" if claim is not None else ""
-    ax.set_title(f"Final model: epsilon >= {_number(bound['epsilon'])}{versus}\n{guesses}", fontsize=10)
+    versus = f" (accountant {fixed(claim, 2)})" if claim is not None else ""
+    ax.set_title(f"Final model: epsilon >= {fixed(bound['epsilon'], 2)}{versus}\n{guesses}", fontsize=10)
     ax.set_xlabel(f"{label} (larger: more likely trained on)")
     ax.set_ylabel("canaries")
     ax.grid(alpha=0.3)
@@ -149,15 +153,7 @@ def summary_lines(final_model: dict) -> list:
             continue
         rule = (f"{b['score']}: {b['correct']}/{b['guesses_in'] + b['guesses_out']} right ({b['guesses_in']} in, "
                 f"{b['guesses_out']} out)" if b["epsilon"] > 0 else "no guess rule did better than chance")
-        lines.append(f"  {label:<26} {_number(b['epsilon']):>6}   {rule}")
-    lines.append(f"  {'accountant epsilon':<26} {_number(claim):>6}   {fm.get('selection')} guess selection, "
-                 f"{_number(fm.get('confidence'))} confidence")
+        lines.append(f"  {label:<26} {fixed(b['epsilon'], 2):>6}   {rule}")
+    lines.append(f"  {'accountant epsilon':<26} {fixed(claim, 2):>6}   {fm.get('selection')} guess selection, "
+                 f"{fixed(fm.get('confidence'), 2)} confidence")
     return lines
-
-
-def _number(x) -> str:
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return "n/a"
-    return "n/a" if math.isnan(x) else f"{x:.2f}"

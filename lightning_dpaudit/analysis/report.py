@@ -15,6 +15,8 @@ import numpy as np
 from scipy.stats import norm
 
 from .final_model import histogram_panel, section_problem
+from .formatting import as_number as _num
+from .formatting import fixed as _f
 from .final_model import summary_lines as final_model_lines
 
 JSON_NAME = "audit_report.json"
@@ -185,18 +187,6 @@ def report_figure(
     return fig
 
 
-def _num(x) -> float:
-    """A JSON-loaded number back to float: None -> nan, "inf"/"-inf"/"nan" strings -> floats."""
-    if x is None:
-        return math.nan
-    if isinstance(x, str):
-        try:
-            return float(x)
-        except ValueError:
-            return math.nan
-    return float(x)
-
-
 def _jsonable(obj: Any) -> Any:
     """Strict-JSON version of obj: tuples/arrays to lists, numpy scalars to Python, nan -> null, +-inf -> "inf"/"-inf"."""
     if isinstance(obj, dict):
@@ -308,11 +298,6 @@ def check_report(report, path) -> None:
             raise ReportError(f"{path}: `{key}` is {v!r}; expected a number")
         if _num(v) < 0:
             raise ReportError(f"{path}: `{key}` is {v!r}; it cannot be negative")
-
-
-def _f(x, digits: int = 3) -> str:
-    x = _num(x)
-    return "n/a" if math.isnan(x) else f"{x:.{digits}g}" if math.isinf(x) else f"{x:.{digits}f}"
 
 
 def summary_table(report: dict) -> str:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -24,9 +23,10 @@ from ..engine.auditor import PrivacyAuditor
 from ..engine.options import check_accountant, flag, integer, one_argument_callable, real
 from ..analysis.monitor import POOLED
 from .budget import TimeBudget
+from .callback_state import AuditCheckpointing
 from .final_model_audit import FinalModelTracker
 from .trainer_lookup import batches_per_epoch, check_accountant_matches, find_dp_optimizer, log_dir, module_accountant
-from .logged_values import CHART_LAYOUT, _add_histogram, _finite, _from_checkpoint, _plain, _to_checkpoint, _versions
+from .logged_values import CHART_LAYOUT, _add_histogram, _finite, _plain, _versions
 from ..analysis.results import AuditResult, violation_message
 
 ALERTS = ("warn", "raise", "stop")
@@ -36,7 +36,7 @@ class PrivacyViolationError(RuntimeError):
     """Raised by DPAuditCallback(alert="raise") when the audit finds a leak."""
 
 
-class DPAuditCallback(Callback):
+class DPAuditCallback(AuditCheckpointing, Callback):
     """Audit the Trainer's Opacus DPOptimizer while it trains.
 
     alert: "warn" (one warning), "raise" (PrivacyViolationError), "stop" (end training
@@ -151,7 +151,7 @@ class DPAuditCallback(Callback):
         if self.auditor is not None and trainer.world_size > 1:
             self.auditor.check_sample_rate(batches_per_epoch(trainer))
         if self.final_model is not None:
-            self.final_model.start(self.auditor_options.get("module", pl_module))
+            self.final_model.start(self.auditor_options.get("module", pl_module))  # the model that scores the canaries
 
     @rank_zero_only
     def _add_chart_layout(self, trainer) -> None:
@@ -176,7 +176,7 @@ class DPAuditCallback(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.final_model is not None and self.auditor is not None and self.final_model.due(trainer.current_epoch):
-            self._audit_final_model(trainer, pl_module, self.auditor.result())
+            self.final_model.audit(trainer, self.auditor.steps, self.auditor.result())
         if self.auditor is not None and self.auditor.steps:
             with self.budget.spend("figure") as allowed:
                 if allowed:
@@ -191,28 +191,13 @@ class DPAuditCallback(Callback):
         elif not self.history or self.history[-1]["step"] != result.steps:
             self._log_epsilons(trainer, result)  # the last log step skipped them for the budget
         if self.final_model is not None:
-            final = self._audit_final_model(trainer, pl_module, result)
+            final = self.final_model.audit(trainer, self.auditor.steps, result)
             if final.violation and not self.alerted:
-                message = (f"final-model audit: epsilon >= {final.epsilon_lower_bound:.3g} from {final.num_canaries} canaries "
-                           f"exceeds the accountant's {final.accountant_epsilon:.3g} (delta={final.delta:g})")
                 if self.alert == "raise":
-                    raise PrivacyViolationError(message)
-                rank_zero_warn(message, category=UserWarning)
+                    raise PrivacyViolationError(final.violation_message())
+                rank_zero_warn(final.violation_message(), category=UserWarning)
         if self.report:
             self._write_report(trainer, result)
-
-    def _audit_final_model(self, trainer, pl_module, result: AuditResult):
-        """Score the final-model canaries with the model as it is now; log the bounds (rank 0)."""
-        done = self.final_model.result
-        if done is not None and done.step == self.auditor.steps:  # the last epoch's end was the end of fit
-            return done
-        final = self.final_model.evaluate(
-            self.auditor_options.get("module", pl_module), epoch=trainer.current_epoch, step=self.auditor.steps, delta=result.delta,
-            confidence=result.confidence, accountant_epsilon=result.epsilon_accountant,
-        )
-        if trainer.is_global_zero:
-            self.final_model.log(trainer, final)
-        return final
 
     # ------------------------------------------------------------------ alerts
 
@@ -299,6 +284,7 @@ class DPAuditCallback(Callback):
         from ..analysis.report import summary_table, write_report
 
         directory = Path(log_dir(trainer))
+        section = self.final_model.report_section() if self.final_model is not None else None
         json_path, png_path = write_report(
             directory,
             result,
@@ -306,70 +292,8 @@ class DPAuditCallback(Callback):
             versions=_versions(),
             history=self.history,
             histogram=self.auditor.log.histogram(),
-            final_model=self.final_model.report_section() if self.final_model is not None else None,
+            final_model=section,
         )
         self.report_paths = (json_path, png_path)
-        section = self.final_model.report_section() if self.final_model is not None else None
         print(summary_table({"result": result.to_dict(), **({"final_model": section} if section else {})}))
         print(f"audit report: {json_path} and {png_path}")
-
-    # ------------------------------------------------------------------ checkpointing
-
-    def state_dict(self) -> dict:
-        state = {"history": list(self.history), "alerted": self.alerted}
-        if self.final_model is not None:
-            state["final_model"] = self.final_model.state_dict()
-        if self.auditor is not None:
-            state["auditor"] = _to_checkpoint(self.auditor.state_dict())
-            if self.auditor.accountant is not None:
-                state["accountant_history"] = [list(entry) for entry in self.auditor.accountant.history]
-            if self.checkpoint_noise_generator:
-                generator = self._noise_generator()
-                if generator is not None:
-                    state["noise_generator"] = generator.get_state()
-        elif self._pending_state is not None:
-            state["auditor"] = self._pending_state.get("auditor")
-            if self._pending_state.get("noise_generator") is not None:
-                state["noise_generator"] = self._pending_state["noise_generator"]
-        return state
-
-    def _noise_generator(self) -> Optional[torch.Generator]:
-        """The optimizer's own noise generator when its state can be saved and restored; else None, warned once."""
-        optimizer = self.auditor.optimizer
-        generator = getattr(optimizer, "generator", None)
-        if isinstance(generator, torch.Generator) and not getattr(optimizer, "secure_mode", False):
-            return generator
-        if not self._warned_generator:
-            self._warned_generator = True
-            source = "the operating system (secure mode)" if getattr(optimizer, "secure_mode", False) else (
-                "torch's global generator" if generator is None else f"a {type(generator).__name__}"
-            )
-            rank_zero_warn(
-                f"checkpoint_noise_generator: the optimizer draws its noise from {source}, whose state the callback "
-                "does not save; give make_private a noise_generator=torch.Generator() to have it saved",
-                category=UserWarning,
-            )
-        return None
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if self.final_model is not None and state_dict.get("final_model") is not None:
-            self.final_model.load_state_dict(state_dict["final_model"])  # before the data loader first reads the canaries
-        self._pending_state = dict(state_dict)
-        if self.auditor is not None:
-            self._restore(self._pending_state)
-            self._pending_state = None
-
-    def _restore(self, state: dict) -> None:
-        self.history = list(state.get("history", []))
-        self.alerted = bool(state.get("alerted", False))
-        if state.get("auditor") is not None:
-            self.auditor.load_state_dict(_from_checkpoint(state["auditor"]))
-        accountant = self.auditor.accountant
-        if accountant is not None and not accountant.history and state.get("accountant_history"):
-            # Opacus accountants are not part of Lightning checkpoints; without this the
-            # resumed run would account only for the steps after the resume.
-            accountant.history = [tuple(entry) for entry in state["accountant_history"]]
-        if self.checkpoint_noise_generator and state.get("noise_generator") is not None:
-            generator = self._noise_generator()
-            if generator is not None:
-                generator.set_state(state["noise_generator"])

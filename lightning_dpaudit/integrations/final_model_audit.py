@@ -39,15 +39,18 @@ class FinalModelTracker:
         self.selection = selection
         self.history: list = []
         self.result: Optional[FinalModelResult] = None
+        self.model = None
 
     def start(self, model) -> None:
-        """The canaries' losses before the first step (kept from a checkpoint on resume)."""
+        """Score through `model` from now on; the canaries' losses before the first step (kept
+        from a checkpoint on resume)."""
         if type(model).forward in (torch.nn.Module.forward, pl.LightningModule.forward):
             raise ValueError(
                 f"final-model canaries are scored through the model's forward, and {type(model).__name__} defines none: "
                 "add forward() to the LightningModule or pass DPAuditCallback(module=<the model>)"
             )
-        if getattr(self.canaries, "start_losses", None) is None:
+        self.model = model
+        if self.canaries.start_losses is None:
             self.canaries.record_start(model)
 
     def share_seed(self, strategy) -> None:
@@ -60,20 +63,27 @@ class FinalModelTracker:
     def due(self, epoch: int) -> bool:
         return bool(self.every_n_epochs) and (epoch + 1) % self.every_n_epochs == 0
 
-    def evaluate(self, model, *, epoch: int, step: int, delta: float, confidence: float,
-                 accountant_epsilon: Optional[float]) -> FinalModelResult:
-        """Score the canaries with `model`, bound epsilon and add the point to the curve."""
-        claim = accountant_epsilon if accountant_epsilon is not None and math.isfinite(accountant_epsilon) else None
+    def audit(self, trainer, step: int, step_audit) -> FinalModelResult:
+        """Score the canaries with the model as it is at optimizer step `step`, bound epsilon at the
+        step audit's delta and confidence against its accountant's epsilon, add the point to the
+        curve and log it (rank 0). A second call at the same step (the last epoch's end was the
+        end of fit) returns the first result."""
+        if self.result is not None and self.result.step == step:
+            return self.result
+        claim = step_audit.epsilon_accountant if math.isfinite(step_audit.epsilon_accountant) else None
+        epoch = trainer.current_epoch
         result = self.canaries.audit(
-            model, delta=delta, confidence=confidence, accountant_epsilon=claim, epoch=epoch, step=step,
-            selection=self.selection,
+            self.model, delta=step_audit.delta, confidence=step_audit.confidence, accountant_epsilon=claim,
+            epoch=epoch, step=step, selection=self.selection,
         )
         self.result = result
-        self.history = [h for h in self.history if h["step"] != step]
+        self.history = [h for h in self.history if h["step"] != step]  # a resumed run may repeat a step
         self.history.append({
             "epoch": epoch, "step": step, "eps_lower_bound": result.epsilon_lower_bound,
             "eps_lower_bound_fdp": result.bounds["fdp"].epsilon, "eps_accountant": claim,
         })
+        if trainer.is_global_zero:
+            self.log(trainer, result)
         return result
 
     def log(self, trainer, result: FinalModelResult) -> None:
