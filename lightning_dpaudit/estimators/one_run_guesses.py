@@ -75,7 +75,16 @@ def guess_counts(scores: np.ndarray, included: np.ndarray, k_in: int, k_out: int
 
     Ties are broken by canary index, which is independent of the inclusion.
     """
-    order = np.argsort(-scores, kind="stable")
+    return _counts(_ranking(scores), included, k_in, k_out)
+
+
+def _ranking(scores: np.ndarray) -> np.ndarray:
+    """Canary indices from the highest score to the lowest, ties in index order."""
+    return np.argsort(-scores, kind="stable")
+
+
+def _counts(order: np.ndarray, included: np.ndarray, k_in: int, k_out: int) -> Tuple[int, int]:
+    """guess_counts for canaries already ranked by `order`."""
     k_in, k_out = min(k_in, len(order)), min(k_out, len(order) - min(k_in, len(order)))
     right = int(included[order[:k_in]].sum())
     if k_out:
@@ -127,9 +136,10 @@ def _best(estimator, estimate, table, included, delta, confidence, selection) ->
     m = len(included)
     rules = guess_rules(list(table), m)
     level = (1.0 - confidence) / (len(rules) if selection == "union" else 1)
+    rankings = {name: _ranking(values) for name, values in table.items()}
     best = None
     for name, k_in, k_out in rules:
-        r, v = guess_counts(table[name], included, k_in, k_out)
+        r, v = _counts(rankings[name], included, k_in, k_out)
         eps = estimate(m, r, v, delta=delta, confidence=1.0 - level) if 2 * v > r else 0.0
         if best is None or eps > best.epsilon:
             best = GuessBound(estimator, eps, name, k_in, k_out, v, m, len(rules) if selection == "union" else 1,
