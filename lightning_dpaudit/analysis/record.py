@@ -66,7 +66,8 @@ class AuditRecord:
         self.fingerprints = NoiseFingerprints(SENTINELS, alpha=REPEAT_ALPHA)
         self.correlation = NoiseCorrelation(SENTINELS, lags=LAGS, alpha=fresh_alpha)
         self.problems: List[Finding] = []
-        self.alerted = False
+        self.alerted = False  # the alarm was given
+        self.failed: Optional[str] = None  # the first error of the audit's own code, when there was one
 
     def add(self, readings: Sequence[StepReading], kind: str) -> None:
         """Log, count and fingerprint the readings of consecutive steps (in step order)."""
@@ -112,9 +113,14 @@ class AuditRecord:
         """Groups whose alarm fired since the last call, tested at `step` as well."""
         return self.monitor.check(step)
 
+    def unalarmed(self) -> list:
+        """Groups recorded as violated while no alarm was given (empty once it was)."""
+        return [] if self.alerted else sorted(self.monitor.first_violation)
+
     def state_dict(self) -> dict:
         return {
             "alerted": self.alerted,
+            "failed": self.failed,
             "correlation": self.correlation.state_dict(),
             "fingerprints": self.fingerprints.state_dict(),
             "log": self.log.state_dict(),
@@ -124,7 +130,12 @@ class AuditRecord:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore each part; a part that cannot be read raises ValueError naming it."""
-        self.alerted = bool(state.get("alerted", False))
+        alerted, failed = state.get("alerted", False), state.get("failed")
+        if not isinstance(alerted, (bool, np.bool_)):
+            raise ValueError(f"`alerted` is {alerted!r}; expected True or False")
+        if failed is not None and not isinstance(failed, str):
+            raise ValueError(f"`failed` is {failed!r}; expected the cause (a string) or None")
+        self.alerted, self.failed = bool(alerted), failed
         parts = [("fingerprints", self.fingerprints), ("log", self.log), ("monitor", self.monitor)]
         if "correlation" in state:  # a state saved before the correlation test: its window starts afresh
             parts.append(("correlation", self.correlation))

@@ -288,6 +288,9 @@ def check_report(report, path) -> None:
     first = r.get("first_violation_step")
     if first is not None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
         raise ReportError(f"{path}: `first_violation_step` is {first!r}; expected a step number or null")
+    failed = r.get("audit_failed")
+    if failed is not None and not isinstance(failed, str):
+        raise ReportError(f"{path}: `audit_failed` is {failed!r}; expected the cause (a string) or null")
     if "final_model" in report and section_problem(report["final_model"]):
         raise ReportError(f"{path}: the final-model section {section_problem(report['final_model'])}")
     for key in _NUMBERS:
@@ -321,7 +324,7 @@ def summary_table(report: dict) -> str:
     ]
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for _, b, _ in rows)
-    lines = [verdict, *_finding_lines(r), ""]
+    lines = [verdict, *_failure_line(r), *_finding_lines(r), ""]
     lines += [f"  {a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
     facts = [
         ("observations", f"in {r.get('n_in')} / out {r.get('n_out')}"),
@@ -344,6 +347,12 @@ def summary_table(report: dict) -> str:
     if isinstance(report.get("final_model"), dict):
         lines += ["", *final_model_lines(report["final_model"])]
     return "\n".join(lines)
+
+
+def _failure_line(r: dict) -> list:
+    """The first error of the audit's own code, when there was one (training went on)."""
+    failed = r.get("audit_failed")
+    return [f"AUDIT FAILED: {failed} (training went on; what the audit saw stops there or is incomplete)"] if failed else []
 
 
 def _finding_lines(r: dict) -> list:

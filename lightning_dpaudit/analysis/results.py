@@ -72,6 +72,9 @@ class AuditResult:
                           (steps counted from 1), None when there was none
     findings              Finding records naming the cause of a violation (findings.py);
                           empty without a violation, except findings of other checks
+    audit_failed          the first error of the audit's own code ("TypeError: ... at step 12");
+                          training went on (after an error in a step, without the audit);
+                          None when there was none
     """
 
     epsilon_lower_bound: float
@@ -96,6 +99,7 @@ class AuditResult:
     layers: Tuple[LayerAudit, ...]
     first_noise_repeat: Optional[Tuple[int, int]] = None
     findings: Tuple[Finding, ...] = ()
+    audit_failed: Optional[str] = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -10,20 +10,56 @@ clipping schedules change it between steps.
              noise, kept on the parameters' device                      (readings.py)
     record   at a check, every pending reading moves to the host at
              once: log, monitor, noise fingerprints                     (analysis/record.py)
-    check    alarms that fired since the last check are raised once
+    check    a violation recorded and not yet alarmed is alarmed, once
 
-Checks come every `check_every` steps (and whenever results or state are asked for).
-The monitor tests the counts after every step of a batch, so a violation is recorded at
-the step a check after every step would record; it is raised at most check_every - 1
-steps later. Under several processes every rank checks at the same steps.
+Checks come every `check_every` steps, after the last observed step (`observe_steps`),
+and whenever results are asked for on one process. The monitor tests the counts after
+every step of a batch, so a violation is recorded at the step a check after every step
+would record; it is raised at most check_every - 1 steps later. Under several processes
+every rank checks at the same steps.
+
+Faults. On one process, an error of the audit's own code during a step (not the alarm,
+not the optimizer's own add_noise, not a KeyboardInterrupt) detaches the audit: the step
+ends as it would without it (the optimizer's add_noise once on the data's own sum, in
+the same draw order), one AuditFailedWarning is issued, and the record keeps the cause.
+Under several processes the error is raised (a rank leaving the collectives alone would
+hang the others).
 """
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from typing import Callable, Optional
+
+import torch
 
 from ..analysis.record import AuditRecord
 from .readings import PendingReadings
+
+
+class AuditFailedWarning(RuntimeWarning):
+    """The audit's own code raised: it detached itself and training goes on without it."""
+
+
+class NoiseCalls:
+    """Counts the optimizer's own add_noise as the path calls it; what it raises is the optimizer's."""
+
+    def __init__(self, path, pass_on: Callable[[BaseException], None]):
+        self.calls = 0
+        add_noise = getattr(path, "add_noise", None)
+        if add_noise is None:
+            return
+
+        def counted():
+            self.calls += 1
+            try:
+                return add_noise()
+            except BaseException as error:
+                pass_on(error)
+                raise
+
+        path.add_noise = counted
 
 
 class StepPipeline:
@@ -35,32 +71,46 @@ class StepPipeline:
         self.alarm = alarm
         self.readings = PendingReadings()
         self.steps = 0
+        self.failed = False  # the audit's own code raised: every later step is the plain one
+        self._noise: Optional[NoiseCalls] = None
+        self._passed: Optional[BaseException] = None  # raised by the alarm or the optimizer: never caught
+        self._alarming = False
 
     def audited_step(self) -> None:
         """Stands in for the optimizer's add_noise: plant -> release -> read -> record -> check."""
-        if self.observe_steps is not None and self.steps >= self.observe_steps:
-            self.path.release_plain()  # past the observation window: the plain step
-            self.steps += 1
+        if self.failed or (self.observe_steps is not None and self.steps >= self.observe_steps):
+            self.path.release_plain()  # past the observation window, or after a fault: the plain step
+            if not self.failed:
+                self.steps += 1
             return
-        step, kind = self.steps, self.kind
+        if self._noise is None:
+            self._noise = NoiseCalls(self.path, self._pass_on)
+        step, kind, noised = self.steps, self.kind, self._noise.calls
         try:
             if self.claims is not None:
                 self.claims.before_step(step)  # this step's claim; a new one opens its segment
-            segment = self.segment
+            segment, readings = self.segment, []
             planted = kind.plant(step, all_in=self.paired)
             self.path.release(
                 planted, step=step, paired=self.paired,
-                read=lambda view: self.readings.add(step, kind.read(planted, view), segment),
-                done=self._end_step,
+                read=lambda view: readings.append(kind.read(planted, view)),
+                done=lambda: self._end_step(step, readings, segment),
             )
+        except Exception as error:
+            if error is self._passed or not self.path.local:
+                self._finish_quietly()
+                raise
+            self._fail(error, step, noised=self._noise.calls > noised)
         except BaseException:
-            kind.finish_step()  # nothing of a failed step is kept (input canaries' gradients)
+            self._finish_quietly()
             raise
 
-    def _end_step(self) -> None:
+    def _end_step(self, step: int, readings: list, segment: int) -> None:
+        for reading in readings:  # a step's readings are pending once the step is complete
+            self.readings.add(step, reading, segment)
         self.kind.finish_step()
         self.steps += 1
-        if self.steps % self.check_every == 0:
+        if self.steps % self.check_every == 0 or self.steps == self.observe_steps:
             self.check()
 
     def record_pending(self) -> None:
@@ -68,14 +118,31 @@ class StepPipeline:
         self.record.add(self.readings.flush(), self.kind.name)
 
     def check(self) -> None:
-        """Record what is pending; raise the alarm once if a test fired (on every rank at the same check)."""
+        """Record what is pending; alarm once if a violation is recorded and was not alarmed (on every rank
+        at the same check). The alarm's own call of the results checks nothing."""
         self.record_pending()
         fired = self.record.fired(self.steps)
-        if not self.record.alerted:
-            fired = self.path.agree(fired, lambda: self.record.fired(self.steps), self.note_problem_quietly)
-        if fired and not self.record.alerted:
+        if self.record.alerted or self._alarming:
+            return
+        due = fired or self.record.unalarmed()
+        due = self.path.agree(due, lambda: self.record.fired(self.steps) or self.record.unalarmed(), self.note_problem_quietly)
+        if due and not self.record.alerted:
+            self._alarming = True
+            try:
+                self.alarm()
+            finally:
+                self._alarming = False
             self.record.alerted = True
-            self.alarm()
+
+    @contextmanager
+    def delivering(self):
+        """The alarm's delivery: from here it counts as given, and what it raises is passed on."""
+        self.record.alerted = True
+        try:
+            yield
+        except BaseException as error:
+            self._pass_on(error)
+            raise
 
     def note_problem(self, code: str, message: Optional[str], step: int, alarm: bool = True) -> None:
         """A set-up problem (a certainty): alarms at once on one process, at the next check under several
@@ -85,3 +152,40 @@ class StepPipeline:
 
     def note_problem_quietly(self, code: str, message: str) -> None:
         self.record.note_problem(code, message, self.steps)
+
+    # ------------------------------------------------------------------ faults
+
+    def _pass_on(self, error: BaseException) -> None:
+        self._passed = error
+
+    def _finish_quietly(self) -> None:
+        """Nothing of a failed step is kept (input canaries' gradients)."""
+        try:
+            self.kind.finish_step()
+        except Exception:
+            pass
+
+    def _fail(self, error: Exception, step: int, *, noised: bool) -> None:
+        """Detach and record; the step's release as without the audit (when the optimizer's add_noise
+        has not run, it runs once on the data's own sum, which the path restored; when it has, the
+        path left the un-audited update); then one warning."""
+        self._finish_quietly()
+        self.failed = True
+        cause = f"{type(error).__name__}: {error} at step {step + 1}"
+        self.record.failed = self.record.failed or cause
+        owner = getattr(getattr(self.path, "optimizer", None), "_dpaudit_auditor", None)
+        try:
+            if owner is not None:
+                owner.detach()
+        except Exception:  # the plain step from here on all the same (self.failed)
+            pass
+        if not noised:
+            for p in self.kind.probe.params:
+                data = getattr(p, "summed_grad", None)
+                if torch.is_tensor(data) and hasattr(data, "_processed"):
+                    del data._processed  # marked noised when the path restored it; not noised yet
+            self.path.release_plain()
+        warnings.warn(
+            f"the privacy audit stopped on an error of its own ({cause}) and detached itself; training goes on "
+            "without it, each step as the optimizer makes it", AuditFailedWarning, stacklevel=2,
+        )

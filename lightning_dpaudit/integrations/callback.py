@@ -4,7 +4,10 @@ Add it to `pl.Trainer(callbacks=[DPAuditCallback()])`. At fit start it finds the
 DPOptimizer among the Trainer's optimizers (and the accountant that make_private hooked
 to it), attaches a PrivacyAuditor, then logs the running audit every
 `log_every_n_steps` optimizer steps through the Trainer's loggers, alerts once when the
-anytime-valid alarm fires, and writes audit_report.json/.png at the end of fit.
+anytime-valid alarm fires, and at the end of fit checks once more (a violation recorded
+since the last check alerts then) and writes audit_report.json/.png. An error of the
+audit's own code during training (the pipeline's, or a hook's here) never ends the fit:
+one AuditFailedWarning, and the result's `audit_failed` names it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from ..engine.auditor import PrivacyAuditor
 from ..engine.options import check_accountant, flag, integer, one_argument_callable, real
+from ..engine.pipeline import AuditFailedWarning
 from ..analysis.monitor import POOLED
 from .budget import TimeBudget
 from .callback_state import AuditCheckpointing
@@ -101,6 +105,9 @@ class DPAuditCallback(AuditCheckpointing, Callback):
         self.alerted = False
         self._pending_state: Optional[dict] = None
         self._trainer: Optional[pl.Trainer] = None
+        self._passed: Optional[BaseException] = None  # raised by the alert: passed on
+        self._warned_failure = False
+        self._logged_failure = False
 
     @property
     def state_key(self) -> str:
@@ -167,17 +174,26 @@ class DPAuditCallback(AuditCheckpointing, Callback):
     # ------------------------------------------------------------------ during training
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.auditor is None or trainer.sanity_checking or self.auditor.steps == 0:
+        if self.auditor is None or trainer.sanity_checking:
             return
-        if self.auditor.steps % self.log_every_n_steps == 0 and self.auditor.steps != self._last_logged():
+        self._safely("on_train_batch_end", self._batch_end, trainer, pl_module)
+
+    def _batch_end(self, trainer, pl_module) -> None:
+        if self.auditor.record.failed:
+            self._log_failure(trainer, self.auditor.record.failed)
+        if self.auditor.steps and self.auditor.steps % self.log_every_n_steps == 0 and self.auditor.steps != self._last_logged():
             with self.budget.spend("epsilon") as allowed:
                 result = self.auditor.result(accounting=allowed)
                 self._log(trainer, pl_module, result)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.final_model is not None and self.auditor is not None and self.final_model.due(trainer.current_epoch):
+        if self.auditor is not None:
+            self._safely("on_train_epoch_end", self._epoch_end, trainer)
+
+    def _epoch_end(self, trainer) -> None:
+        if self.final_model is not None and self.final_model.due(trainer.current_epoch):
             self.final_model.audit(trainer, self.auditor.steps, self.auditor.result())
-        if self.auditor is not None and self.auditor.steps:
+        if self.auditor.steps:
             with self.budget.spend("figure") as allowed:
                 if allowed:
                     self._log_figure(trainer)
@@ -185,19 +201,32 @@ class DPAuditCallback(AuditCheckpointing, Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.auditor is None or not self.auditor.steps:
             return
-        result = self.auditor.result()
+        try:  # the last steps' violation, recorded since the last check, alerts as `alert` says
+            self._safely("the final check", self.auditor.pipeline.check)
+        finally:  # the report is written whatever the alert does
+            result = self._safely("on_fit_end", self.auditor.result)
+            if result is not None:
+                self._safely("on_fit_end", self._log_end, trainer, pl_module, result)
+                self._safely("the final-model audit", self._final_model_end, trainer, result)
+                if self.report:
+                    self._safely("the report", self._write_report, trainer, result)
+
+    def _log_end(self, trainer, pl_module, result: AuditResult) -> None:
+        if result.audit_failed:
+            self._log_failure(trainer, result.audit_failed)
         if self.auditor.steps != self._last_logged():
             self._log(trainer, pl_module, result, progress_bar=False)
         elif not self.history or self.history[-1]["step"] != result.steps:
             self._log_epsilons(trainer, result)  # the last log step skipped them for the budget
-        if self.final_model is not None:
-            final = self.final_model.audit(trainer, self.auditor.steps, result)
-            if final.violation and not self.alerted:
-                if self.alert == "raise":
-                    raise PrivacyViolationError(final.violation_message())
-                rank_zero_warn(final.violation_message(), category=UserWarning)
-        if self.report:
-            self._write_report(trainer, result)
+
+    def _final_model_end(self, trainer, result: AuditResult) -> None:
+        if self.final_model is None:
+            return
+        final = self.final_model.audit(trainer, self.auditor.steps, result)
+        if final.violation and not self.alerted:
+            if self.alert == "raise":
+                raise PrivacyViolationError(final.violation_message())
+            rank_zero_warn(final.violation_message(), category=UserWarning)
 
     # ------------------------------------------------------------------ alerts
 
@@ -205,6 +234,13 @@ class DPAuditCallback(AuditCheckpointing, Callback):
         if self.alerted:
             return
         self.alerted = True
+        try:
+            self._alert(result)
+        except BaseException as error:
+            self._passed = error
+            raise
+
+    def _alert(self, result: AuditResult) -> None:
         message = violation_message(result)
         if callable(self.alert):
             self.alert(result)
@@ -217,6 +253,33 @@ class DPAuditCallback(AuditCheckpointing, Callback):
             if trainer is not None:
                 trainer.should_stop = True
             rank_zero_info(f"Training stopped by DPAuditCallback: {message}")
+
+    # ------------------------------------------------------------------ faults
+
+    def _safely(self, where: str, hook, *args):
+        """hook(*args); an error of the audit's own code is warned once and recorded, never raised (the
+        alert's own errors, and the user's, are); then None."""
+        try:
+            return hook(*args)
+        except Exception as error:
+            if error is self._passed or isinstance(error, PrivacyViolationError):
+                raise
+            cause = f"{where}: {type(error).__name__}: {error} at step {self.auditor.steps}"
+            self.auditor.record.failed = self.auditor.record.failed or cause
+            if not self._warned_failure:
+                self._warned_failure = True
+                rank_zero_warn(f"the privacy audit's {cause}; training goes on, the audit's record may be incomplete",
+                               category=AuditFailedWarning)
+
+    @rank_zero_only
+    def _log_failure(self, trainer, cause: str) -> None:
+        """The audit's failure as text in TensorBoard, once."""
+        if self._logged_failure:
+            return
+        self._logged_failure = True
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("dpaudit/audit_failed", cause, self.auditor.steps)
 
     # ------------------------------------------------------------------ logging
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
+from ..engine.state import AuditStateError
 from .logged_values import _from_checkpoint, _to_checkpoint
 
 
@@ -57,6 +59,7 @@ class AuditCheckpointing:
         return None
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_alerted(state_dict)
         if self.final_model is not None and state_dict.get("final_model") is not None:
             self.final_model.load_state_dict(state_dict["final_model"])  # before the data loader first reads the canaries
         self._pending_state = dict(state_dict)
@@ -65,6 +68,7 @@ class AuditCheckpointing:
             self._pending_state = None
 
     def _restore(self, state: dict) -> None:
+        check_alerted(state)
         self.history = list(state.get("history", []))
         self.alerted = bool(state.get("alerted", False))
         if state.get("auditor") is not None:
@@ -78,3 +82,10 @@ class AuditCheckpointing:
             generator = self._noise_generator()
             if generator is not None:
                 generator.set_state(state["noise_generator"])
+
+
+def check_alerted(state: dict) -> None:
+    """`alerted` is True or False (numpy's too); anything else is refused by name, before anything is restored."""
+    alerted = state.get("alerted", False)
+    if not isinstance(alerted, (bool, np.bool_)):
+        raise AuditStateError(f"the callback state's `alerted` is {alerted!r}; expected True or False. The state is damaged")
