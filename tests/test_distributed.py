@@ -65,7 +65,7 @@ def test_plain_dp_optimizer_in_a_job_of_two_processes_alarms_at_attach_on_every_
     for rank in setups:
         plain = rank["plain_optimizer"]
         assert plain["optimizer"] == "DPOptimizer"
-        assert plain["error"] == "alert" and plain["message"] == ["distributed set-up"]
+        assert plain["error"] == "alert" and plain["message"] == ["exact checks"]
 
 
 def test_replicas_that_drift_apart_are_flagged_at_the_next_checksum(setups):

@@ -186,8 +186,8 @@ def test_batch_sensitivity_is_noise_scale_one_over_the_batch():
 
 
 def test_missing_clipping_is_clipping():
-    result = audit_optimizer(bug="no-clipping", steps=100, expect_violation=True)
-    (finding,) = result.findings
+    result = audit_optimizer(bug="no-clipping", steps=100, expect_violation=True, per_sample_check_every=0)
+    (finding,) = result.findings  # the canaries' reading alone (the exact check: below)
     assert finding.code == "clipping" and finding.claimed == 1.0
     assert finding.measured == pytest.approx(2.0, abs=0.25)  # canaries planted at 2 C pass whole
     assert "the canary norm above C (2 C planted) reaches the update" in finding.message
@@ -219,14 +219,25 @@ def test_unnoised_layer_is_layer_naming_the_tensor():
     ],
 )
 def test_the_rest_of_the_zoo(bug, sigma, expected):
-    result = audit_optimizer(bug=bug, steps=1000, noise_multiplier=sigma, expect_violation=True)
+    result = audit_optimizer(bug=bug, steps=1000, noise_multiplier=sigma, expect_violation=True,
+                             per_sample_check_every=0)
     assert codes(result.findings) == (expected,)
+
+
+@pytest.mark.parametrize("bug", ["no-clipping", "batch-clipping"])
+def test_clipping_bugs_are_also_a_certainty_of_the_clipped_sum(bug):
+    """The exact check clips each real example itself at step 1: the optimizer's sum differs."""
+    result = audit_optimizer(bug=bug, steps=20, expect_violation=True)
+    assert codes(result.findings) == ("clipped_sum", "clipping")
+    exact = result.findings[0]
+    assert exact.first_step == 1 and "each example's gradient clipped to C" in exact.message
 
 
 def test_paired_mode_reads_noise_and_clipping_too():
     noisy = audit_optimizer(bug="mean-sensitivity", steps=100, mode="paired", expect_violation=True)
     assert codes(noisy.findings) == ("noise_scale",)
-    unclipped = audit_optimizer(bug="no-clipping", steps=100, mode="paired", expect_violation=True)
+    unclipped = audit_optimizer(bug="no-clipping", steps=100, mode="paired", expect_violation=True,
+                                per_sample_check_every=0)
     assert codes(unclipped.findings) == ("clipping",)
 
 
@@ -240,7 +251,8 @@ def test_alert_and_failure_messages_carry_the_findings():
     first, cause = violation_message(result).splitlines()
     assert first.startswith("DP audit violation at step 1: per-step mu lower bound")
     assert cause.startswith("  - noise_scale: noise std 0.0") and "calibrated to C/B" in cause
-    with pytest.raises(PrivacyAuditFailure, match=r"leaks more than it claims: .*\n  - clipping: in-canaries move the release"):
+    with pytest.raises(PrivacyAuditFailure, match=r"leaks more than it claims: .*\n  - clipped_sum: .*\n  - clipping: "
+                                                  r"in-canaries move the release"):
         audit_optimizer(bug="no-clipping", steps=20)
     with pytest.warns(PrivacyViolationWarning, match=r"violating: classifier.3.bias\n  - layer: noise std below the claim"):
         audited(0, 60, bug="unnoised-layer", on_violation=None)

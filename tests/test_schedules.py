@@ -186,20 +186,6 @@ def test_ratio_refuses_claims_that_are_not_positive():
     assert ratio_lower_bound(0.0, [1], [1], [1.0]) == 0.0 and math.isinf(ratio_lower_bound(math.inf, [1], [1], [1.0]))
 
 
-def test_adaptive_clipping_is_refused_with_what_to_use_instead():
-    from opacus.optimizers import AdaClipDPOptimizer
-
-    model = torch.nn.Linear(4, 2)
-    optimizer = AdaClipDPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, target_unclipped_quantile=0.5,
-        clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.1, unclipped_num_std=2.0, max_grad_norm=1.0,
-        expected_batch_size=8,
-    )
-    with pytest.raises(TypeError, match=r"AdaClipDPOptimizer adapts its clipping bound .* opacus.schedulers"):
-        PrivacyAuditor(optimizer)
-    assert "add_noise" not in vars(optimizer)
-
-
 def test_under_lightning_both_epsilon_curves_follow_a_noise_schedule(tmp_path):
     """StepNoise stepped in on_train_epoch_end: the claimed mu rises each epoch, and both epsilons track it."""
     import csv

@@ -110,8 +110,10 @@ def _fit(module, steps, batch_size=16, callbacks=()):
     return module
 
 
-def test_the_audit_catches_a_ghost_clipping_bug_in_the_transformer(single_thread):
-    """nn.Linear's ghost norms halved in this model's clipping module: the first check raises the alarm."""
+@pytest.mark.parametrize("exact_check", [True, False])
+def test_the_audit_catches_a_ghost_clipping_bug_in_the_transformer(single_thread, exact_check):
+    """nn.Linear's ghost norms halved in this model's clipping module: the exact per-sample check names it
+    at step 1; without it, the canaries' first check raises the alarm."""
     from lightning_dpaudit import DPAuditCallback
     from lightning_dpaudit.integrations.ghost_bugs import inject_ghost_bug
 
@@ -122,12 +124,17 @@ def test_the_audit_catches_a_ghost_clipping_bug_in_the_transformer(single_thread
             return optimizer
 
     alarms = []
-    callback = DPAuditCallback(alert=alarms.append, seed=0, report=False)
+    callback = DPAuditCallback(alert=alarms.append, seed=0, report=False, per_sample_check_every=100 if exact_check else 0)
     module = HalvedLinearNorms(size="1M", seq_len=16, noise_multiplier=0.5, lr=1e-2, seed=0)
     _fit(module, steps=STEPS_TO_CATCH, callbacks=[callback])
     assert len(alarms) == 1 and alarms[0].violation and alarms[0].first_violation_step <= STEPS_TO_CATCH
-    layer = [f for f in alarms[0].findings if f.code == "layer"]
-    assert layer and "attention.qkv.weight 2." in layer[0].message  # linear weights released at about 2 C
+    if exact_check:  # the halved norm seen on real data at the check's first step, before any statistics
+        exact = [f for f in alarms[0].findings if f.code == "per_sample_gradients"]
+        assert exact and exact[0].first_step == 1 and ".weight` has norm" in exact[0].message
+        assert "ghost clipping" in exact[0].message
+    else:
+        layer = [f for f in alarms[0].findings if f.code == "layer"]
+        assert layer and "attention.qkv.weight 2." in layer[0].message  # linear weights released at about 2 C
 
 
 def test_automatic_optimization_refuses_the_ghost_loss_but_takes_it_in_a_dict(tmp_path):

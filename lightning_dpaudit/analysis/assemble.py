@@ -189,5 +189,5 @@ def group_name(group: int, layer_names) -> str:
     if group == CORRELATED:
         return "noise correlated"
     if group == SETUP:
-        return "distributed set-up"
+        return "exact checks"
     return layer_names[group]

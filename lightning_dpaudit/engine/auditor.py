@@ -30,12 +30,15 @@ from ..analysis.assemble import Claim, ResultAssembler
 from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
-from .claims import StepClaims
-from .ghost import check_ghost_options
+from .accumulation_check import AccumulationLedger
+from .adaptive import mechanism_of, step_claims
+from .claims import StepClaims, normalisation_problem
+from .ghost import check_ghost_options, is_ghost
 from .kinds import ALL_KIND_NAMES, canary_kind_for
 from .kinds.input_probe import check_input_model
-from .options import BATCHED_CHECK_EVERY, Mechanism, check_accountant, check_claim, find_accountant, validate
+from .options import BATCHED_CHECK_EVERY, Mechanism, check_accountant, check_claim, find_accountant, integer, validate
 from .paths import PathSettings, release_path_for
+from .per_sample_check import DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
 from .pipeline import StepPipeline
 from .state import AuditStateError, check_state, setup_of
 
@@ -69,6 +72,10 @@ class PrivacyAuditor:
     (the counts, bounds and histograms cover every observation).
     on_violation: called once with the AuditResult when the alarm first fires (default:
     one PrivacyViolationWarning).
+    per_sample_check_every: the steps between exact checks of a few real examples'
+    per-sample gradients (ghost clipping: norms and clipping coefficients) against plain
+    autograd, first at step 1 (per_sample_check.py; 0 turns them off);
+    per_sample_check_examples: the examples compared at each.
     checksum_every: under a DistributedDPOptimizer, the steps between checks that every
     replica holds the same parameters (see distributed.py; 0 turns them off).
     """
@@ -80,7 +87,8 @@ class PrivacyAuditor:
         module: Optional[torch.nn.Module] = None, on_violation: Optional[Callable[[AuditResult], None]] = None,
         canary_inputs: Optional[torch.Tensor] = None, canary_labels: Optional[torch.Tensor] = None,
         loss_fn: Optional[Callable] = None, recraft_every="auto", observe_steps: Optional[int] = None,
-        observation_window: int = 65_536, checksum_every: int = 100,
+        observation_window: int = 65_536, checksum_every: int = 100, per_sample_check_every: int = DEFAULT_EVERY,
+        per_sample_check_examples: int = DEFAULT_EXAMPLES,
     ):
         path_class = release_path_for(optimizer)
         if getattr(optimizer, "_dpaudit_auditor", None) is not None:
@@ -102,7 +110,7 @@ class PrivacyAuditor:
         self.optimizer, self.options, self.model = optimizer, options, module
         self.accountant = accountant if accountant is not None else find_accountant(optimizer)
         self.on_violation = options.on_violation
-        mechanism = Mechanism.of(optimizer)
+        mechanism = mechanism_of(optimizer)  # adaptive clipping: the gradient's noise multiplier (adaptive.py)
         sigma, C = mechanism.noise_multiplier, mechanism.max_grad_norm
         self.setup = setup_of(mechanism, options)
         self.rng = np.random.default_rng(seed)
@@ -126,21 +134,31 @@ class PrivacyAuditor:
         self.pipeline = StepPipeline(
             self.kind, self.path, self.record, paired=options.mode == "paired", check_every=check_every,
             observe_steps=options.observe_steps, alarm=self._alarm,
-            claims=StepClaims(optimizer, mechanism, self.accountant, on_change=self._claim_changed,
-                              note_problem=lambda *a: self.pipeline.note_problem(*a)),
+            claims=step_claims(optimizer, mechanism, self.accountant, module=self.kind.module_ref,
+                               on_change=self._claim_changed, note_problem=lambda *a: self.pipeline.note_problem(*a)),
         )
         if self.probe.ghost is not None:  # ghost clipping's own coefficient check (ghost.py)
             self.probe.ghost.note_problem = lambda *a: self.pipeline.note_problem(*a[:2], self.pipeline.steps + 1, a[2])
+        self.per_sample_check = PerSampleCheck(
+            optimizer, mechanism.params, self.layer_names, self.kind.module_ref, lambda: self.pipeline.steps,
+            every=0 if not path_class.checks_per_sample else integer("per_sample_check_every", per_sample_check_every, 0),
+            examples=integer("per_sample_check_examples", per_sample_check_examples, 1), seed=seed,
+            ghost=is_ghost(optimizer), note_problem=lambda *a: self.pipeline.note_problem(*a),
+            ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer),
+        )
         self.path.verify_start(options.canaries_per_step, seed)
-        self.path.attach(self.pipeline.audited_step)
+        self.path.attach(lambda: self.per_sample_check.around(self.pipeline.steps, self.pipeline.audited_step))
         optimizer._dpaudit_auditor = self
         self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
+        # what the claim does not cover, stated beside the result (not a leak beyond the claim's own terms)
+        self.notes = [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
 
     def detach(self) -> None:
         """Restore the optimizer exactly as it was before the auditor attached."""
         if getattr(self.optimizer, "_dpaudit_auditor", None) is not self:
             return
         self.path.detach()
+        self.per_sample_check.close()
         del self.optimizer._dpaudit_auditor
 
     # ------------------------------------------------------------------ what the audit holds
@@ -215,10 +233,11 @@ class PrivacyAuditor:
 
     def _alarm(self) -> None:
         result = self.result()
-        if self.on_violation is not None:
-            self.on_violation(result)
-        else:
-            warnings.warn(violation_message(result), PrivacyViolationWarning, stacklevel=4)
+        with self.pipeline.delivering():  # given from here; what on_violation raises is passed on
+            if self.on_violation is not None:
+                self.on_violation(result)
+            else:
+                warnings.warn(violation_message(result), PrivacyViolationWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ results
 
@@ -231,10 +250,16 @@ class PrivacyAuditor:
         """The audit so far (see AuditResult for what each number means).
 
         accounting=False skips the accountant's epsilon and the end-to-end conversion
-        (both nan), the costly part with a PRV accountant, for frequent live views.
+        (both nan), the costly part with a PRV accountant, for frequent live views. A violation
+        recorded and not yet alarmed is alarmed first (under several processes, at the next
+        check, which every rank reaches).
         """
-        self.pipeline.record_pending()
-        return self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
+        if self.path.local:
+            self.pipeline.check()
+        else:
+            self.pipeline.record_pending()
+        result = self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
+        return replace(result, audit_failed=self.record.failed) if self.record.failed else result
 
     def _evidence(self, anytime: dict):
         return self.results.evidence(self.record, self.layer_names, anytime)

@@ -41,10 +41,12 @@ class StepClaims:
         self._read = claim_of(optimizer)
         self._stepped = False  # a step ran since attach: self.mechanism is the claim it used
         self._accounted = self._last_entry()
+        self._composed = composed_steps(accountant)  # the most steps the accountant's history has held
 
     def before_step(self, step: int) -> Mechanism:
         """The mechanism this step claims; calls on_change first when it differs from the last step's."""
         if self._stepped:
+            self._check_history(step)
             self._check_accountant(step)
         self._stepped = True
         now = claim_of(self.optimizer)
@@ -68,6 +70,17 @@ class StepClaims:
         history = getattr(self.accountant, "history", None) or []
         return (len(history), tuple(history[-1])) if history else (0, None)
 
+    def _check_history(self, step: int) -> None:
+        """The accountant's history never loses steps: fewer composed steps than before is a certainty."""
+        now = composed_steps(self.accountant)
+        if now < self._composed:
+            self.note_problem("claim_unaccounted", (
+                f"the accountant's history composed {self._composed} step(s) and now {now}: steps it had composed were "
+                "removed (an accountant whose get_epsilon consumes its history counts only the steps since the last "
+                "query), so its epsilon is too low. Fix: an accountant that keeps every step (Opacus >= 1.4)"
+            ), step)
+        self._composed = max(self._composed, now)
+
     def _check_accountant(self, step: int) -> None:
         """The accountant's last entry, if it recorded the previous step, must carry that step's noise multiplier."""
         if self.accountant is None:
@@ -76,6 +89,8 @@ class StepClaims:
         if accounted == self._accounted:  # nothing recorded for the previous step (not our accountant's hook)
             return
         self._accounted = accounted
+        if accounted[1] is None:  # an emptied history (_check_history names it)
+            return
         recorded = float(self.accountant.history[-1][0])
         used = self.mechanism.noise_multiplier  # not yet updated: the previous step's claim
         if not math.isclose(recorded, used, rel_tol=1e-6):
@@ -85,3 +100,24 @@ class StepClaims:
                 "step hook make_private attached read optimizer.noise_multiplier at every step, and change the noise "
                 "only through optimizer.noise_multiplier (opacus.schedulers do)."
             ), step)
+
+
+def composed_steps(accountant) -> int:
+    """The steps an Opacus accountant's history composes: entries (noise multiplier, sample rate, steps)."""
+    history = getattr(accountant, "history", None) or []
+    return int(sum(entry[2] for entry in history if len(entry) > 2))
+
+
+def normalisation_problem(optimizer) -> Optional[str]:
+    """The update divided by Opacus's expected_batch_size under loss_reduction="mean", a quantity
+    make_private derives from the dataset's size (int(len(dataset) * sample_rate))."""
+    size = getattr(optimizer, "expected_batch_size", None)
+    if getattr(optimizer, "loss_reduction", None) != "mean" or not size:
+        return None
+    return (
+        f"the update is divided by expected_batch_size = {size:g}, which make_private computed from the dataset's "
+        "size: under add/remove neighbouring (the relation Poisson sampling's accountant assumes) two datasets that "
+        "differ by one record can give different divisors, and the scale of any released step tells them apart. "
+        "Under substitution neighbouring (the size is public) nothing leaks. To remove it: loss_reduction=\"sum\" "
+        "and a learning rate divided by a fixed, public batch size, rather than one derived from the data"
+    )

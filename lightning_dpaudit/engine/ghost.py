@@ -52,6 +52,7 @@ class GhostClipping:
 
     def __init__(self, params: Sequence[torch.Tensor], module: Callable[[], Optional[torch.nn.Module]]):
         self.params = list(params)
+        self.names = [f"param{i}{tuple(p.shape)}" for i, p in enumerate(self.params)]  # the kind's names, once known
         self.module = module
         self._owners = None  # per tensor: the submodule owning it
         self.note_problem: Callable[[str, str, bool], None] = lambda code, message, alarm: None
@@ -76,9 +77,16 @@ class GhostClipping:
         for it means small gradients are scaled up (normalized, not clipped).
         """
         trainable = list(gsm.trainable_parameters)
-        missing = set(norms) - {id(p) for p in trainable}
+        hooked = {id(p) for p in trainable}
+        missing = [name for p, name in zip(self.params, self.names) if id(p) not in hooked]
         if missing:
-            raise RuntimeError("ghost clipping: some audited parameters are not trained by the module's hooks")
+            self.note_problem(
+                "per_sample_gradients",
+                f"{', '.join(f'`{n}`' for n in missing)} reach the optimizer without per-sample norms: the ghost "
+                "clipping module does not train them (added after make_private, or hooks never registered), so their "
+                "contribution is never clipped",
+                True,
+            )
         half = 0.5 * float(gsm.max_grad_norm)
         first = id(trainable[0])
 

@@ -31,10 +31,13 @@ def canary_kind_for(optimizer, mechanism, options, model, rng):
             loss_reduction=optimizer.loss_reduction, pool=probe.pool,
         )
         options.canary.options["norm_floor"] = C
-        return InputCanaryKind(
+        kind = InputCanaryKind(
             options.canary, input_probe, probe, model=model, per_step=options.canaries_per_step, mode=options.mode,
             rng=rng, mu_claimed=1.0 / sigma, sentinels=sentinel_positions(len(probe.pool)), noise_std=sigma * C,
         )
+        kind.module_ref = ModuleRef()
+        kind.module_ref.set(grad_sample_module_in(model, params) or model)
+        return kind
     sampler = CanarySampler(
         sizes, kind=options.canary, per_step=options.canaries_per_step, moving=options.moving, support=options.support,
         rng=rng,
@@ -42,13 +45,16 @@ def canary_kind_for(optimizer, mechanism, options, model, rng):
     probe = GradientProbe(params, sampler.pool, clip, options.canary_scale)
     owner = ModuleRef()
     names = layer_names(params, model, optimizer, owner)
+    found = None if model is None else grad_sample_module_in(model, params)
+    if found is not None:
+        owner.set(found)
     if is_ghost(optimizer):
-        found = None if model is None else grad_sample_module_in(model, params)
-        if found is not None:
-            owner.set(found)
         probe.ghost = GhostClipping(params, owner)
-    return GradientCanaries(
+        probe.ghost.names = names  # filled in place when the model names its tensors
+    kind = GradientCanaries(
         sampler, probe, layer_names=names,
         layer_claims=layer_claims_of(mechanism),
         sentinels=sentinel_positions(len(probe.pool)), noise_std=sigma * C,
     )
+    kind.module_ref = owner  # the GradSampleModule, once known (the per-sample check needs it)
+    return kind

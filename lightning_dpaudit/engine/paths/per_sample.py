@@ -23,6 +23,8 @@ from .base import LocalChecks, PathSettings, no_canaries
 class PerSampleRelease(LocalChecks):
     local = True  # one process: a set-up problem alarms at once
     reads_on_device = True  # readings stay on the device until a check
+    checks_per_sample = True  # the exact per-sample check (per_sample_check.py) runs on this path
+
     def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
         self.optimizer, self.probe, self.settings = optimizer, probe, settings
 

@@ -30,6 +30,7 @@ from .per_sample import PerSampleRelease, restore_data_sum
 class ReducedRelease(DistributedChecks, PerSampleRelease):
     local = False  # problems and alarms wait for a check that every rank reaches
     reads_on_device = False  # the per-step all-reduce reads on the host
+    checks_per_sample = False  # not yet: a replay's autograd would fire the data-parallel wrapper's gradient hooks
 
     def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
         super().__init__(optimizer, probe, settings)

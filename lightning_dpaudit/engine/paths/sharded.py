@@ -32,6 +32,7 @@ from .per_sample import PerSampleRelease
 class ShardedRelease(DistributedChecks, PerSampleRelease):
     local = False  # alarms wait for a check every rank reaches
     reads_on_device = False  # the per-step all-reduce reads on the host
+    checks_per_sample = False  # not yet: each rank holds row shards of the tensors
 
     def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
         super().__init__(optimizer, probe, settings)

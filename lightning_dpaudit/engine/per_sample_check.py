@@ -1,0 +1,330 @@
+"""An exact check of the data path: a few real examples' per-sample gradients against plain autograd.
+
+At steps 1, 1 + N, 1 + 2N, ... (N = `every`), for `examples` examples i drawn from the last
+batch the model saw before the step (the auditor's own generator chooses them):
+
+    g_i         the gradient the user's loss sent to the model's output for example i
+                (read by a tensor hook during the step's first backward pass)
+    expected_i  s * d<out_i, g_i>/dtheta, by plain autograd with Opacus's hooks off,
+                replaying the model's forward on the same inputs and RNG state (dropout alike);
+                s = the batch size under loss_reduction="mean" (Opacus scales backprops by it), else 1
+
+and compares, for every tensor p the optimizer trains,
+
+    hooks, functorch:  the row of p.grad_sample for example i       with expected_i[p]
+    ghost clipping:    p._norm_sample[i], the module's norm          with ||expected_i[p]||
+                       the module's clipping coefficient             with min(1, C / (||expected_i|| + 1e-6))
+
+A difference beyond floating-point tolerance (relative 1e-3, plus 1e-4 of the example's
+whole gradient norm) is a certainty, not a statistic: finding `per_sample_gradients`. So
+is a tensor that autograd gives a gradient and Opacus no per-sample gradient or norm.
+The replay restores the RNG state and the module's buffers: training is unchanged.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+
+RTOL = 1e-3  # relative to the larger of the two norms
+ATOL = 1e-4  # relative to the example's whole gradient norm
+DEFAULT_EVERY = 100
+DEFAULT_EXAMPLES = 2
+CODE = "per_sample_gradients"
+
+
+@dataclass
+class _Call:
+    """One forward pass of the checked module: its inputs, RNG state, chosen examples and output gradients."""
+
+    args: tuple
+    kwargs: dict
+    rng_state: torch.Tensor
+    cuda_states: list
+    batch: int = 0
+    chosen: Optional[np.ndarray] = None
+    grads: dict = field(default_factory=dict)  # output leaf index -> gradient rows of the chosen examples
+    backward: Optional[int] = None  # the backward pass that brought them
+
+
+class PerSampleCheck:
+    """Compares Opacus's per-sample gradients (or ghost norms) of real examples with plain autograd.
+
+    `module()` gives the GradSampleModule (found at the model's first forward pass);
+    `names` the tensors' names; `steps()` the auditor's step count; `note_problem(code,
+    message, step)` records a finding. `check(step)` runs at each noised step, before canaries.
+    """
+
+    def __init__(self, optimizer, params, names, module: Callable, steps: Callable[[], int], *, every: int,
+                 examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None):
+        self.optimizer, self.params, self.names = optimizer, list(params), names
+        self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
+        self.module, self.steps, self.note_problem = module, steps, note_problem
+        self.every, self.examples, self.ghost = every, examples, ghost
+        self.rng = np.random.default_rng(None if seed is None else [seed, 27])
+        self.target: Optional[torch.nn.Module] = None
+        self.handles: list = []
+        self.calls: List[_Call] = []
+        self.replaying = False  # True while the check itself runs the model (nothing is captured then)
+        self.checked = 0  # steps whose examples were compared
+        self.skipped: Optional[str] = None  # why the last due step could not be compared
+        self.failed: Optional[str] = None
+        self._wrapped = None
+        if self.ledger is not None:
+            self._wrap_accumulate()
+
+    # ------------------------------------------------------------------ capture
+
+    def _wrap_accumulate(self) -> None:
+        """The optimizer's accumulation of a physical batch (on the instance) first feeds the ledger at checked steps."""
+        opt = self.optimizer
+        name = "accumulate" if self.ghost else "clip_and_accumulate"
+        self._wrapped = (name, name in vars(opt), vars(opt).get(name))
+        original = getattr(opt, name)
+
+        def accumulate(*args, **kwargs):
+            if not self.replaying and self.due(self.steps()):
+                try:
+                    self.ledger.add()
+                except Exception as error:  # the check's own failure never ends training
+                    self._stop(error, self.steps())
+            return original(*args, **kwargs)
+
+        setattr(opt, name, accumulate)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and self.failed is None and step % self.every == 1 % self.every
+
+    def _hook_target(self) -> None:
+        gsm = self.module()
+        if gsm is None or self.target is not None or self.every == 0:
+            return
+        self.target = smallest_module_holding(getattr(gsm, "_module", gsm), self.params)
+        self.handles = [
+            self.target.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            self.target.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def around(self, step: int, audited_step: Callable[[], None]) -> None:
+        """Check at a noised step, then run the audited step (whose own forward passes are not captured)."""
+        self.check(step)
+        self.replaying = True
+        try:
+            audited_step()
+        finally:
+            self.replaying = False
+
+    def _before_forward(self, module, args, kwargs):
+        if self.replaying or not self.due(self.steps()) or not (module.training and torch.is_grad_enabled()):
+            return None
+        devices = sorted({t.device.index for t in _tensors((args, kwargs)) if t.device.type == "cuda"})
+        cuda_states = [(d, torch.cuda.get_rng_state(d)) for d in devices]
+        self.calls.append(_Call(args, kwargs, torch.get_rng_state(), cuda_states))
+        return None
+
+    def _after_forward(self, module, args, kwargs, output):
+        if self.replaying or not self.calls or self.calls[-1].args is not args:
+            return None
+        call = self.calls[-1]
+        leaves = [t for t in _tensors(output) if t.requires_grad and t.dim() > 0]
+        if not leaves:
+            self.calls.pop()
+            return None
+        call.batch = leaves[0].shape[0]
+        call.chosen = np.sort(self.rng.choice(call.batch, size=min(self.examples, call.batch), replace=False))
+        rows = torch.as_tensor(call.chosen, device=leaves[0].device)
+        for j, leaf in enumerate(leaves):
+            if leaf.shape[0] == call.batch:
+                leaf.register_hook(_first_gradient(call, j, rows))
+        return None
+
+    # ------------------------------------------------------------------ check
+
+    def check(self, step: int) -> None:
+        """At a noised step: compare if due, never raising into training (a failure turns the check off)."""
+        try:
+            self._hook_target()
+            if not self.due(step):
+                return
+            calls = [c for c in self.calls if c.grads]
+            self.calls = []
+            if calls:
+                self._compare(calls, step)
+            problem = None if self.ledger is None else self.ledger.problem()
+            if problem is not None:
+                self.note_problem("clipped_sum", f"{problem} (step {step})", step)
+        except Exception as error:  # the check's own failure never ends training
+            self._stop(error, step)
+
+    def _stop(self, error: Exception, step: int) -> None:
+        self.failed = f"{type(error).__name__}: {error} (at step {step})"
+        warnings.warn(f"the per-sample gradient check stopped: {self.failed}", RuntimeWarning, stacklevel=3)
+        self.close()
+
+    def _compare(self, calls: List[_Call], step: int) -> None:
+        call = calls[-1]
+        if len(calls) > 1 and calls[-2].backward == call.backward:
+            self.skipped = "the model ran forward more than once before one backward pass"
+            return
+        held = self._held(call.batch, sum(c.batch for c in calls))
+        if held is None:
+            return
+        expected = self._autograd(call)
+        gsm = self.module()
+        C = float(self.optimizer.max_grad_norm)
+        for position, i in enumerate(call.chosen):
+            grads = expected[position]
+            total = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+            problem = self._tensor_problems(held, position, int(i), grads, total)
+            if problem is None and self.ghost:
+                problem = self._coefficient_problem(gsm, int(i), total, C)
+            if problem is not None:
+                self.note_problem(CODE, f"{problem} at step {step} (example {int(i)} of the batch)", step)
+                return
+        self.checked += 1
+
+    def _held(self, batch: int, stacked: int):
+        """What Opacus holds per tensor for the last batch: (kind, rows) with rows[i] example i's entry, or None."""
+        held = []
+        for p in self.params:
+            if self.ghost:
+                norms = getattr(p, "_norm_sample", None)
+                if norms is not None and norms.shape[0] != batch:
+                    self.skipped = f"the per-sample norms hold {norms.shape[0]} rows, the last batch {batch}"
+                    return None
+                held.append(norms)
+                continue
+            samples = getattr(p, "grad_sample", None)
+            if isinstance(samples, list):
+                samples = torch.cat(samples, dim=0)
+            if samples is not None:
+                if samples.shape[0] not in (batch, stacked):
+                    self.skipped = f"the per-sample gradients hold {samples.shape[0]} rows, the last batch {batch}"
+                    return None
+                samples = samples[samples.shape[0] - batch:]
+            held.append(samples)
+        return held
+
+    def _tensor_problems(self, held, position: int, i: int, grads, total: float) -> Optional[str]:
+        atol = ATOL * total + 1e-12
+        for name, p, opacus, exact in zip(self.names, self.params, held, grads):
+            exact_norm = 0.0 if exact is None else float(exact.double().norm())
+            if opacus is None:
+                if exact_norm > atol:
+                    return (f"`{name}` reaches the optimizer with a gradient (norm {exact_norm:.4g} for this example) "
+                            "but without a per-sample gradient: its contribution is never clipped")
+                continue
+            if self.ghost:
+                opacus_norm = float(opacus[i])
+                gap = abs(opacus_norm - exact_norm)
+                what = "per-sample gradient norm (ghost clipping)"
+            else:
+                row = opacus[i].double()
+                opacus_norm = float(row.norm())
+                gap = float((row - (0 if exact is None else exact.double().reshape(row.shape))).norm())
+                what = "per-sample gradient"
+            if gap > RTOL * max(opacus_norm, exact_norm) + atol:
+                return (f"Opacus's {what} of `{name}` has norm {opacus_norm:.6g}, plain autograd on the example "
+                        f"alone gives {exact_norm:.6g} (difference {gap:.3g})")
+        return None
+
+    def _coefficient_problem(self, gsm, i: int, total: float, C: float) -> Optional[str]:
+        saved = gsm._per_sample_gradient_norms
+        try:
+            coef = float(gsm.get_clipping_coef()[i])
+        finally:
+            gsm._per_sample_gradient_norms = saved
+        exact = min(1.0, C / (total + 1e-6))
+        if abs(coef - exact) > RTOL * max(coef, exact) + 1e-6:
+            leaks = "leaks: the contribution can exceed C" if coef > exact else "clips harder than claimed"
+            return (f"the module's clipping coefficient is {coef:.6g} where min(1, C / norm) with the optimizer's "
+                    f"C = {C:g} and the example's gradient norm {total:.6g} gives {exact:.6g} ({leaks})")
+        return None
+
+    def _autograd(self, call: _Call) -> list:
+        """expected[position][tensor]: s * d<out_i, g_i>/dp by plain autograd (Opacus's hooks off, inputs and RNG replayed)."""
+        gsm = self.module()
+        was_enabled = getattr(gsm, "hooks_enabled", False)
+        buffers = [(b, b.detach().clone()) for b in self.target.buffers()]
+        self.replaying = True
+        try:
+            if was_enabled:
+                gsm.disable_hooks()
+            devices = [d for d, _ in call.cuda_states]
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                torch.set_rng_state(call.rng_state)
+                for d, state in call.cuda_states:
+                    torch.cuda.set_rng_state(state, d)
+                output = self.target(*call.args, **call.kwargs)
+            leaves = [t for t in _tensors(output) if t.requires_grad and t.dim() > 0]
+            scale = float(call.batch) if getattr(gsm, "loss_reduction", "mean") == "mean" else 1.0
+            wanted = [p for p in self.params if p.requires_grad]
+            expected = []
+            for position, i in enumerate(call.chosen):
+                inner = sum((leaves[j][int(i)] * g[position]).sum() for j, g in call.grads.items())
+                last = position == len(call.chosen) - 1
+                grads = dict(zip(map(id, wanted), torch.autograd.grad(inner, wanted, retain_graph=not last,
+                                                                        allow_unused=True)))
+                expected.append([None if grads.get(id(p)) is None else scale * grads[id(p)] for p in self.params])
+            return expected
+        finally:
+            self.replaying = False
+            if was_enabled:
+                gsm.enable_hooks()
+            with torch.no_grad():
+                for b, copy in buffers:
+                    b.copy_(copy)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.calls = [], []
+        if self._wrapped is not None:
+            name, had_own, previous = self._wrapped
+            if had_own:
+                setattr(self.optimizer, name, previous)
+            else:
+                delattr(self.optimizer, name)
+            self._wrapped = None
+
+
+def _first_gradient(call: _Call, j: int, rows: torch.Tensor):
+    """A tensor hook keeping the chosen examples' rows of the first gradient that reaches output leaf j."""
+    task = getattr(torch._C, "_current_graph_task_id", lambda: None)
+
+    def keep(grad):
+        if j not in call.grads:
+            call.grads[j] = grad.detach()[rows].clone()
+            call.backward = task()
+
+    return keep
+
+
+def smallest_module_holding(module: torch.nn.Module, params) -> torch.nn.Module:
+    """The deepest submodule of `module` whose parameters include every tensor of `params`."""
+    wanted = {id(p) for p in params}
+    best, depth = module, 0
+    for name, m in module.named_modules():
+        d = 0 if not name else name.count(".") + 1
+        if d > depth and wanted <= {id(p) for p in m.parameters()}:
+            best, depth = m, d
+    return best
+
+
+def _tensors(value):
+    """The tensors in a forward's inputs or output (tensors, tuples, lists, dicts, dataclass-like outputs)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from _tensors(getattr(value, name))

@@ -1,0 +1,262 @@
+"""The exact per-sample check (engine/per_sample_check.py): quiet on correct Opacus, a named finding on a wrong one.
+
+Deterministic: a finding is a mismatch beyond floating-point tolerance, so these tests
+have no false-failure rate beyond float rounding (tolerance 1e-3 relative)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+from torch import nn
+
+from lightning_dpaudit import PrivacyAuditor
+
+warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+
+
+class Mixed(nn.Module):
+    """Every layout the check must follow: Linear on 2-D and on sequences (biases too), Embedding,
+    LayerNorm, Conv1d and dropout."""
+
+    def __init__(self, sequence: bool):
+        super().__init__()
+        self.sequence = sequence
+        self.embed = nn.Embedding(20, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.drop = nn.Dropout(0.25)
+        self.hidden = nn.Linear(8, 12)
+        self.norm = nn.LayerNorm(12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)  # (B, T, 8)
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = self.norm(torch.relu(self.hidden(self.drop(h))))  # Linear on sequences
+        if not self.sequence:
+            return self.head(h.mean(dim=1))  # Linear on 2-D inputs
+        return self.head(h).sum(dim=1)  # Linear on sequences whose positions add up
+
+
+def setup(mode: str, *, sequence: bool = True, max_grad_norm: float = 1.0, seed: int = 0, every: int = 1):
+    torch.manual_seed(seed)
+    model = Mixed(sequence)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 20, (96, 6), generator=g)
+    y = torch.randint(0, 3, (96,), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+                  noise_multiplier=1.0, max_grad_norm=max_grad_norm, poisson_sampling=False,
+                  noise_generator=torch.Generator().manual_seed(seed + 1), grad_sample_mode=mode)
+    if mode == "ghost":
+        kwargs["criterion"] = nn.CrossEntropyLoss()
+        module, optimizer, criterion, loader = PrivacyEngine().make_private(**kwargs)
+    else:
+        module, optimizer, loader = PrivacyEngine().make_private(**kwargs)
+        criterion = nn.CrossEntropyLoss()
+    return module, optimizer, criterion, loader
+
+
+def train(module, optimizer, criterion, loader, steps: int, auditor_kwargs=None):
+    auditor = None if auditor_kwargs is None else PrivacyAuditor(optimizer, seed=3, **auditor_kwargs)
+    torch.manual_seed(11)  # dropout
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            optimizer.zero_grad()
+            criterion(module(x), y).backward()
+            optimizer.step()
+            done += 1
+            if done == steps:
+                break
+    return auditor
+
+
+MODES = [("hooks", False), ("hooks", True), ("functorch", True), ("ghost", False), ("ghost", True)]
+
+
+@pytest.mark.parametrize("mode,sequence", MODES)
+def test_correct_opacus_is_quiet_and_checked(mode, sequence):
+    auditor = train(*setup(mode, sequence=sequence), steps=6, auditor_kwargs=dict(per_sample_check_every=1))
+    check = auditor.per_sample_check
+    assert check.failed is None and check.skipped is None
+    assert check.checked == 5  # steps 1..5 (the model is found at step 0's forward pass)
+    assert auditor.problems == []
+    assert [code for code, _ in auditor.notes] == ["normalisation"]  # loss_reduction="mean": found at attach
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_the_check_leaves_training_as_plain_opacus(mode):
+    """With dropout in the model: the replay restores the RNG. The canaries' removal leaves float
+    rounding (R - K), so plain Opacus is matched to 1e-6 and the audit without the check exactly."""
+    trained = []
+    for auditor_kwargs in (None, dict(per_sample_check_every=0), dict(per_sample_check_every=1)):
+        module, *rest = setup(mode)
+        train(module, *rest, steps=5, auditor_kwargs=None if auditor_kwargs is None else
+              dict(canaries_per_step=64, **auditor_kwargs))
+        trained.append(list(module.parameters()))
+    plain, unchecked, checked = trained
+    for p, q, r in zip(plain, unchecked, checked):
+        assert torch.equal(q, r)
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-6)
+
+
+def _scaled(sampler, which: str, factor: float, only_sequences: bool):
+    def wrong(layer, activations, backprops):
+        out = sampler(layer, activations, backprops)
+        if not only_sequences or backprops.dim() == 3:
+            p = getattr(layer, which)
+            out[p] = out[p] * factor
+        return out
+
+    return wrong
+
+
+def test_a_wrong_ghost_bias_norm_on_sequences_is_named(monkeypatch):
+    samplers = dict(GradSampleModuleFastGradientClipping.NORM_SAMPLERS)
+    samplers[nn.Linear] = _scaled(samplers[nn.Linear], "bias", 0.04, only_sequences=True)
+    monkeypatch.setattr(GradSampleModuleFastGradientClipping, "NORM_SAMPLERS", samplers)
+    auditor = train(*setup("ghost", sequence=True), steps=3, auditor_kwargs={})
+    findings = {code: (message, step) for code, message, step in auditor.problems}
+    message, step = findings["per_sample_gradients"]
+    assert step == 1 and "bias`" in message and "ghost clipping" in message
+    assert auditor.result().violation
+
+
+def test_a_wrong_per_sample_gradient_under_hooks_is_named(monkeypatch):
+    samplers = dict(GradSampleModule.GRAD_SAMPLERS)
+    samplers[nn.Conv1d] = _scaled(samplers[nn.Conv1d], "weight", 0.5, only_sequences=False)
+    monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
+    auditor = train(*setup("hooks"), steps=3, auditor_kwargs={})
+    message = next(m for code, m, _ in auditor.problems if code == "per_sample_gradients")
+    assert "`conv.weight`" in message and "plain autograd" in message
+
+
+def test_a_clipping_coefficient_from_another_bound_is_named():
+    module, optimizer, criterion, loader = setup("ghost", max_grad_norm=0.1)
+    module.max_grad_norm = 1.0  # the module clips at 1 while the noise is calibrated to 0.1
+    auditor = train(module, optimizer, criterion, loader, steps=3, auditor_kwargs={})
+    message = next(m for code, m, _ in auditor.problems if code == "per_sample_gradients")
+    assert "clipping coefficient" in message and "leaks" in message and "C = 0.1" in message
+
+
+def test_a_trained_tensor_without_per_sample_gradients_is_named():
+    """An adapter added after make_private (as a PEFT adapter can be) carries no Opacus hooks."""
+    module, optimizer, criterion, loader = setup("ghost")
+    torch.manual_seed(5)
+    module._module.adapter = nn.Linear(12, 12)
+    optimizer.add_param_group({"params": list(module._module.adapter.parameters())})
+    forward = module._module.forward
+
+    def with_adapter(tokens):
+        inner = module._module
+        h = inner.embed(tokens)
+        h = inner.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = inner.norm(torch.relu(inner.hidden(inner.drop(h))))
+        return inner.head(h + inner.adapter(h)).sum(dim=1)
+
+    module._module.forward = with_adapter
+    auditor = train(module, optimizer, criterion, loader, steps=3, auditor_kwargs={})
+    message = next(m for code, m, _ in auditor.problems if code == "per_sample_gradients")
+    assert "`adapter.weight`" in message and "never clipped" in message
+    assert auditor.result().violation and forward is not with_adapter
+
+
+def test_options_are_checked_and_zero_turns_the_check_off():
+    module, optimizer, criterion, loader = setup("hooks")
+    with pytest.raises(ValueError, match="per_sample_check_every"):
+        PrivacyAuditor(optimizer, per_sample_check_every=-1)
+    with pytest.raises(ValueError, match="per_sample_check_examples"):
+        PrivacyAuditor(optimizer, per_sample_check_examples=0)
+    auditor = train(module, optimizer, criterion, loader, steps=3, auditor_kwargs=dict(per_sample_check_every=0))
+    assert auditor.per_sample_check.checked == 0 and not auditor.per_sample_check.handles
+
+
+# ------------------------------------------------------------------ physical batches and Lightning
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_physical_batches_are_checked_against_the_last_one(mode):
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    module, optimizer, criterion, loader = setup(mode, every=1)
+    auditor = PrivacyAuditor(optimizer, seed=3, per_sample_check_every=1)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=optimizer) as physical:
+        for x, y in physical:
+            optimizer.zero_grad()
+            criterion(module(x), y).backward()
+            optimizer.step()
+    assert auditor.steps == 3 and auditor.per_sample_check.checked == 2
+    assert auditor.per_sample_check.skipped is None
+    assert not [code for code, *_ in auditor.problems if code in ("per_sample_gradients", "clipped_sum")]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_training_step_unchanged_is_checked(tmp_path, accumulate):
+    from test_callback import Private, _fit
+
+    from lightning_dpaudit import DPAuditCallback
+
+    callback = DPAuditCallback(per_sample_check_every=2)
+    _fit(tmp_path, steps=5, callback=callback, accumulate_grad_batches=accumulate)
+    check = callback.auditor.per_sample_check
+    assert check.checked == 2 and check.skipped is None and check.failed is None  # steps 1 and 3
+    assert not [code for code, *_ in callback.auditor.problems if code == "per_sample_gradients"]
+    assert Private is not None
+
+
+def test_lightning_run_with_a_wrong_conv_sampler_is_flagged(tmp_path, monkeypatch):
+    from test_callback import _fit
+
+    from lightning_dpaudit import DPAuditCallback
+
+    samplers = dict(GradSampleModule.GRAD_SAMPLERS)
+    samplers[nn.Conv2d] = _scaled(samplers[nn.Conv2d], "bias", 3.0, only_sequences=False)
+    monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
+    callback = DPAuditCallback(per_sample_check_every=2, alert="warn")
+    with pytest.warns(UserWarning, match="per_sample_gradients"):
+        _fit(tmp_path, steps=3, callback=callback)
+    message = next(m for code, m, _ in callback.auditor.problems if code == "per_sample_gradients")
+    assert ".bias`" in message and "at step 1" in message
+
+
+def test_a_physical_batch_counted_twice_is_named():
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    from lightning_dpaudit.integrations.opacus_history import historical_bug
+
+    with historical_bug("opacus-accumulation-1.5.3").patch():
+        module, optimizer, criterion, loader = setup("ghost")
+        auditor = PrivacyAuditor(optimizer, seed=3, per_sample_check_every=1)
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=optimizer) as physical:
+            for x, y in physical:
+                optimizer.zero_grad()
+                criterion(module(x), y).backward()
+                optimizer.step()
+    message = next(m for code, m, _ in auditor.problems if code == "clipped_sum")
+    assert "4 physical batch(es)" in message and "each batch's clipped sum" in message and "counted twice" in message
+    assert auditor.result().violation
+
+
+def test_an_accountant_that_forgets_steps_is_named():
+    from lightning_dpaudit.integrations.opacus_history import historical_bug
+
+    with historical_bug("opacus-541").patch():
+        module, optimizer, criterion, loader = setup("hooks")
+        from opacus.accountants import GaussianAccountant
+
+        accountant = GaussianAccountant()
+        optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=0.25))
+        auditor = PrivacyAuditor(optimizer, seed=3, accountant=accountant, per_sample_check_every=0)
+        for step, (x, y) in enumerate([*loader, *loader]):
+            optimizer.zero_grad()
+            criterion(module(x), y).backward()
+            optimizer.step()
+            if step == 1:
+                accountant.get_epsilon(1e-5)  # a running epsilon, as a training loop logs it
+    message = next(m for code, m, _ in auditor.problems if code == "claim_unaccounted")
+    assert "composed 1 step(s) and now 0" in message and "too low" in message
