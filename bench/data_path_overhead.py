@@ -1,0 +1,104 @@
+"""What the exact data-path checks cost: the audit with them (default every 100 steps) against the audit
+without them (per_sample_check_every=0), alternating A and B in one run, the ratio of median times.
+
+    .venv/bin/python bench/data_path_overhead.py [--configs digits64 digits512 transformer10M] [--steps 200] [--rounds 3]
+
+digits64 / digits512: the digits CNN under Opacus's hooks, batch 64 / 512. transformer10M:
+the decoder-only transformer of examples/_transformer.py (10 M parameters) under ghost
+clipping, batch 16 of 64 tokens. Each timing covers `--steps` steps (a multiple of the
+check interval, so it holds its share of checked steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+warnings.filterwarnings("ignore")
+
+
+def digits(batch_size: int, every: int):
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.integrations.digits import make_private_digits
+
+    model, optimizer, loader, _ = make_private_digits(batch_size=batch_size, seed=0)
+    PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every)
+    batches = [b for b in loader if len(b[0])]
+    return optimizer, batches, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
+
+
+def transformer(every: int, size: str = "10M", batch: int = 16, seq_len: int = 64):
+    from _transformer import SIZES, build_model, markov_tokens
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dpaudit import PrivacyAuditor
+
+    vocab = SIZES[size][0]
+    model = build_model(size, seq_len, seed=0)
+    tokens = markov_tokens(vocab, 8 * batch, seq_len, seed=0)
+    model, optimizer, criterion, _ = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        data_loader=DataLoader(TensorDataset(tokens), batch_size=batch), criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="ghost",
+    )
+    PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every)
+
+    def loss(b):
+        logits = model(b[:, :-1])
+        return criterion(logits.reshape(-1, vocab), b[:, 1:].reshape(-1), shape=(len(b), seq_len))
+
+    return optimizer, list(tokens.split(batch)), loss
+
+
+def build(config: str, every: int):
+    if config == "transformer10M":
+        return transformer(every)
+    return digits(int(config.removeprefix("digits")), every)
+
+
+def timed(run, steps: int, start_step: int) -> float:
+    optimizer, batches, loss = run
+    begin = time.perf_counter()
+    for i in range(start_step, start_step + steps):
+        optimizer.zero_grad()
+        loss(batches[i % len(batches)]).backward()
+        optimizer.step()
+    return time.perf_counter() - begin
+
+
+def main() -> None:
+    from lightning_dpaudit.engine.per_sample_check import DEFAULT_EVERY
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["digits64", "digits512", "transformer10M"])
+    parser.add_argument("--steps", type=int, default=2 * DEFAULT_EVERY)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--every", type=int, default=DEFAULT_EVERY)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"| config | audit without the checks (s / {args.steps} steps) | with them, every {args.every} | ratio |")
+    print("| --- | --- | --- | --- |")
+    for config in args.configs:
+        runs = {"A": build(config, 0), "B": build(config, args.every)}
+        for run in runs.values():
+            timed(run, 3, 0)  # warm-up, before the timed steps
+        times = {"A": [], "B": []}
+        for r in range(args.rounds):
+            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                times[name].append(timed(runs[name], args.steps, 3 + r * args.steps))
+        a, b = statistics.median(times["A"]), statistics.median(times["B"])
+        print(f"| {config} | {a:.2f} | {b:.2f} | {b / a:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
