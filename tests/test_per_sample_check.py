@@ -87,6 +87,9 @@ def test_correct_opacus_is_quiet_and_checked(mode, sequence):
     assert check.checked == 5  # steps 1..5 (the model is found at step 0's forward pass)
     assert auditor.problems == []
     assert [code for code, _ in auditor.notes] == ["normalisation"]  # loss_reduction="mean": found at attach
+    result = auditor.result()
+    assert result.data_path.startswith("5 step(s) compared, every 1 from step 1") and not result.violation
+    assert result.notes[0].startswith("normalisation: the update is divided by expected_batch_size = 32")
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
@@ -174,6 +177,9 @@ def test_options_are_checked_and_zero_turns_the_check_off():
         PrivacyAuditor(optimizer, per_sample_check_examples=0)
     auditor = train(module, optimizer, criterion, loader, steps=3, auditor_kwargs=dict(per_sample_check_every=0))
     assert auditor.per_sample_check.checked == 0 and not auditor.per_sample_check.handles
+    from lightning_dpaudit.analysis.report import summary_table
+
+    assert "  exact checks           off" in summary_table({"result": auditor.result().to_dict()})
 
 
 # ------------------------------------------------------------------ physical batches and Lightning

@@ -331,8 +331,10 @@ def summary_table(report: dict) -> str:
         ("steps", f"{r.get('steps')}   noise repeats: {r.get('noise_repeats')}{_first_repeat(r)}"),
         ("estimator", f"{r.get('estimator')} at {conf:.0%} confidence" if not math.isnan(conf) else str(r.get("estimator"))),
         ("mode / canary", f"{r.get('mode')} / {r.get('canary')}"),
+        *([("exact checks", r["data_path"])] if r.get("data_path") else []),
     ]
     lines += [f"  {a:<{w0}}  {b}" for a, b in facts]
+    lines += [f"  note: {note}" for note in r.get("notes") or []]
     layers = list(r.get("layers") or [])
     if layers:
         wn = max(5, max(len(str(layer.get("name"))) for layer in layers))

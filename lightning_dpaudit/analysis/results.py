@@ -75,6 +75,10 @@ class AuditResult:
     audit_failed          the first error of the audit's own code ("TypeError: ... at step 12");
                           training went on (after an error in a step, without the audit);
                           None when there was none
+    data_path             what the exact data-path checks compared (per-sample gradients of real
+                          examples, clipped sums), or why they did not run
+    notes                 what the claim itself does not cover (e.g. a normalisation that depends
+                          on the dataset's size); not a violation
     """
 
     epsilon_lower_bound: float
@@ -100,6 +104,8 @@ class AuditResult:
     first_noise_repeat: Optional[Tuple[int, int]] = None
     findings: Tuple[Finding, ...] = ()
     audit_failed: Optional[str] = None
+    data_path: str = ""
+    notes: Tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -115,9 +115,7 @@ def normalisation_problem(optimizer) -> Optional[str]:
     if getattr(optimizer, "loss_reduction", None) != "mean" or not size:
         return None
     return (
-        f"the update is divided by expected_batch_size = {size:g}, which make_private computed from the dataset's "
-        "size: under add/remove neighbouring (the relation Poisson sampling's accountant assumes) two datasets that "
-        "differ by one record can give different divisors, and the scale of any released step tells them apart. "
-        "Under substitution neighbouring (the size is public) nothing leaks. To remove it: loss_reduction=\"sum\" "
-        "and a learning rate divided by a fixed, public batch size, rather than one derived from the data"
+        f"the update is divided by expected_batch_size = {size:g}, derived from the dataset's size: under add/remove "
+        "neighbouring the step's scale can tell neighbouring datasets apart (under substitution nothing leaks); "
+        "for none, use loss_reduction=\"sum\" and a fixed, public batch size (see the data path guide)"
     )

@@ -60,11 +60,12 @@ class PerSampleCheck:
     """
 
     def __init__(self, optimizer, params, names, module: Callable, steps: Callable[[], int], *, every: int,
-                 examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None):
+                 examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None,
+                 off_reason: Optional[str] = None):
         self.optimizer, self.params, self.names = optimizer, list(params), names
         self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
         self.module, self.steps, self.note_problem = module, steps, note_problem
-        self.every, self.examples, self.ghost = every, examples, ghost
+        self.every, self.examples, self.ghost, self.off_reason = every, examples, ghost, off_reason
         self.rng = np.random.default_rng(None if seed is None else [seed, 27])
         self.target: Optional[torch.nn.Module] = None
         self.handles: list = []
@@ -76,6 +77,18 @@ class PerSampleCheck:
         self._wrapped = None
         if self.ledger is not None:
             self._wrap_accumulate()
+
+    def status(self, steps: int) -> str:
+        """One line for the result: what was compared, or why nothing was."""
+        if self.every == 0:
+            return "off" if self.off_reason is None else f"off ({self.off_reason})"
+        if self.failed is not None:
+            return f"stopped: {self.failed}; compared before that: {self.checked} step(s)"
+        if self.checked == 0:
+            why = self.skipped or ("no step due yet" if steps < 2 else "no forward pass of the model was seen")
+            return f"nothing compared yet ({why})"
+        return (f"{self.checked} step(s) compared, every {self.every} from step 1: per-sample gradients of "
+                f"{self.examples} real example(s) against plain autograd, and the clipped sum of each batch")
 
     # ------------------------------------------------------------------ capture
 
