@@ -266,3 +266,15 @@ def test_an_accountant_that_forgets_steps_is_named():
                 accountant.get_epsilon(1e-5)  # a running epsilon, as a training loop logs it
     message = next(m for code, m, _ in auditor.problems if code == "claim_unaccounted")
     assert "composed 1 step(s) and now 0" in message and "too low" in message
+
+
+@pytest.mark.parametrize("version,refused", [("1.5.4", True), ("1.5.2", True), ("1.4.1", True), ("1.6.0", False),
+                                             ("1.6.1+cu121", False), ("2.0", False)])
+def test_opacus_releases_before_1_6_are_refused_with_the_reason(version, refused):
+    from lightning_dpaudit.engine.options import check_opacus_version
+
+    if refused:
+        with pytest.raises(RuntimeError, match=r"needs Opacus >= 1.6.0; this is Opacus .*opacus-751.*pip install"):
+            check_opacus_version(version)
+    else:
+        check_opacus_version(version)

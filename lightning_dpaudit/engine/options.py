@@ -168,6 +168,21 @@ class Mechanism:
                    float(optimizer.max_grad_norm))
 
 
+OLDEST_OPACUS = (1, 6, 0)
+
+
+def check_opacus_version(version: str) -> None:
+    """Refuse an Opacus older than 1.6.0: 1.5.x lacks the ghost-clipping module classes the audit reads
+    (FSDP's among them) and shipped the ghost-clipping privacy bugs fixed in 1.5.3, 1.5.4 and 1.6.0."""
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+    if parts < OLDEST_OPACUS:
+        raise RuntimeError(
+            f"lightning_dpaudit needs Opacus >= 1.6.0; this is Opacus {version}, whose ghost clipping is not the "
+            "module code the audit reads and shipped privacy bugs fixed since (opacus-664, opacus-751, the 1.5.3 "
+            "accumulation fix, opacus-807). Upgrade: pip install 'opacus>=1.6.0'"
+        )
+
+
 def check_claim(optimizer) -> None:
     """The optimizer's noise multiplier and clipping bound(s) must make a privacy claim to audit."""
     sigma = optimizer.noise_multiplier
