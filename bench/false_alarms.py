@@ -6,7 +6,10 @@ every 100 steps) with its own seed; any exact finding on these correct runs is c
 also judged by the naive rule the alarm replaces: fixed-sample 95% Clopper-Pearson mu
 bounds for the pool and each tensor, recomputed after every step.
 
-    .venv/bin/python bench/false_alarms.py [--runs 200] [--steps 1000] [--workers 2]
+    .venv/bin/python bench/false_alarms.py [--runs 200] [--steps 1000] [--workers 2] [--mode hooks|ghost]
+
+--mode ghost: the token classifier of tests/ghost_setups.py (Embedding, Linear on flattened
+tokens, LayerNorm) under Opacus's ghost clipping, default audit; no naive rule.
 """
 
 import argparse
@@ -39,8 +42,31 @@ def _naive_alarm(obs: dict, claimed: float) -> bool:
     return False
 
 
+def _run_ghost(seed, steps, sigma):
+    import sys
+    import warnings
+    from pathlib import Path
+
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from ghost_setups import make_ghost, train_ghost
+
+    from lightning_dpaudit import PrivacyAuditor
+
+    module, optimizer, criterion, loader = make_ghost(seed=10_000 + seed, noise_multiplier=sigma)
+    auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None)
+    train_ghost(module, optimizer, criterion, loader, steps)
+    result = auditor.result()
+    return result.violation, None, sorted({f.code for f in result.findings} & EXACT_CODES)
+
+
 def _run(args):
-    seed, steps, sigma = args
+    seed, steps, sigma, mode = args
+    if mode == "ghost":
+        return _run_ghost(seed, steps, sigma)
     import torch
     import warnings
 
@@ -62,9 +88,10 @@ def main():
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--mode", choices=["hooks", "ghost"], default="hooks")
     args = parser.parse_args()
     start = time.perf_counter()
-    jobs = [(seed, args.steps, args.sigma) for seed in range(args.runs)]
+    jobs = [(seed, args.steps, args.sigma, args.mode) for seed in range(args.runs)]
     with Pool(args.workers) as pool:
         outcomes = []
         for i, outcome in enumerate(pool.imap_unordered(_run, jobs), 1):
@@ -74,7 +101,7 @@ def main():
     alarms = sum(o[0] for o in outcomes)
     exact = [o[2] for o in outcomes if o[2]]
     naive = [o[1] for o in outcomes if o[1] is not None]
-    print(f"runs={args.runs} steps={args.steps} sigma={args.sigma} ({time.perf_counter() - start:.0f} s)")
+    print(f"mode={args.mode} runs={args.runs} steps={args.steps} sigma={args.sigma} ({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%)")
     print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
           f"{exact or ''}")
