@@ -110,7 +110,7 @@ def validate(
         raise ValueError(f"Unexpected value for `mode`: {mode!r}; valid modes are {', '.join(MODES)}")
     if seed is not None:
         seed = integer("seed", seed, 0)
-    canary_scale = real("canary_scale", canary_scale, low=0.0)
+    canary_scale = real("canary_scale", canary_scale, low=0.0, high=1e4, high_open=False)  # canary norms stay finite in float32
     moving = flag("moving", moving)
     support = integer("support", support, 1)
     check_every = "auto" if check_every == "auto" else integer("check_every", check_every, 1)

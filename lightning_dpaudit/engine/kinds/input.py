@@ -29,12 +29,17 @@ class InputCanaryKind:
         self.model, self.per_step, self.mode, self.rng = model, per_step, mode, rng
         self.layer_names, self.layer_claims = [ALL_LAYERS], {0: mu_claimed}
         self.sentinels, self.noise_std = sentinels, float(noise_std)
+        # the canaries' forward passes (dropout, crafting) draw from torch's generators seeded from here, restored after
+        self.forward_seed = int(np.random.default_rng(rng.bit_generator.seed_seq.spawn(1)[0]).integers(2**62))
 
     def plant(self, step: int, *, all_in: bool = False) -> Planted:
         probe, spec = self.input_probe, self.spec
-        if spec.due(step):
-            spec.build(self.model, self.per_step, torch.Generator().manual_seed(int(self.rng.integers(2**62))))
-        probe.prepare(probe.gradients())
+        cuda = sorted({p.device for p in probe.params if p.device.type == "cuda"}, key=str)
+        with torch.random.fork_rng(devices=cuda):  # training's random state is left as it was
+            torch.manual_seed((self.forward_seed + step) % 2**62)
+            if spec.due(step):
+                spec.build(self.model, self.per_step, torch.Generator().manual_seed(int(self.rng.integers(2**62))))
+            probe.prepare(probe.gradients())
         k = len(spec.x)
         is_in = np.ones(k, dtype=bool)
         if not all_in:

@@ -105,7 +105,8 @@ def per_example_gradients(model: nn.Module, loss_fn: Callable, x: torch.Tensor, 
     def loss_one(theta, xi, yi):
         return loss_fn(functional_call(module, theta, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
-    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    # randomness="different": each example its own dropout mask, as in a batch
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(params, x, y)
     return torch.cat([grads[n].reshape(len(x), -1) for n in names], dim=1)
 
 

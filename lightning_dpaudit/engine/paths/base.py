@@ -8,6 +8,7 @@ ReleaseView) and `done()` when the step's release is complete. The pipeline does
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -27,6 +28,7 @@ class PathSettings:
     note_problem(code, message, step)   records a set-up problem the path finds
     sentinels                           pool positions whose noise is fingerprinted (None: too few)
     noise_std                           sigma * C, the noise's standard deviation
+    noise_seed                          seeds the generator of releases that training never uses
     """
 
     note_problem: Callable[[str, Optional[str], int], None]
@@ -34,6 +36,7 @@ class PathSettings:
     noise_std: float
     layer_names: Sequence[str]
     checksum_every: int
+    noise_seed: Optional[int] = None  # the audit's own noise for releases training never uses (paired mode)
 
 
 class ReleasePath(Protocol):
@@ -101,3 +104,45 @@ class DistributedChecks:
 
 def no_canaries(k: int) -> np.ndarray:
     return np.zeros(k, dtype=bool)
+
+
+class AuditNoise:
+    """Noise for a release the audit makes and training never uses (paired mode's second release).
+
+    The optimizer's add_noise draws from `optimizer.generator`, or torch's global generator
+    when that is None; either way, drawing the extra release there would shift every later
+    training step's noise. Inside `use(optimizer)` the optimizer draws from the audit's own
+    generator (one per device, seeded once), and the global generator's state is restored
+    after, so training draws exactly what it would have drawn without the audit.
+    """
+
+    def __init__(self, seed: Optional[int]):
+        self.seed = seed
+        self.generators: dict = {}
+
+    def generator(self, device) -> "torch.Generator":
+        import torch
+
+        key = str(device)
+        if key not in self.generators:
+            g = torch.Generator(device=device)
+            if self.seed is None:
+                g.seed()
+            else:
+                g.manual_seed(self.seed)
+            self.generators[key] = g
+        return self.generators[key]
+
+    @contextmanager
+    def use(self, optimizer):
+        import torch
+
+        params = list(optimizer.params)
+        device = params[0].device if params else "cpu"
+        saved = optimizer.generator
+        optimizer.generator = self.generator(device)
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                yield
+        finally:
+            optimizer.generator = saved

@@ -7,8 +7,8 @@ Per audited step, with S = summed_grad after the optimizer clipped the real batc
     read (R - S) at the pool; the update keeps R - K = S + noise, the un-audited one.
 
 one-run: the in-canaries enter the one release. paired: the real release carries none
-(every canary out), and a second privatization of S + K (all in) gives the in-observations;
-the update keeps the first.
+(every canary out), and a second privatization of S + K (all in), with noise from the
+audit's own generator, gives the in-observations; the update keeps the first.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..kinds.base import Planted, ReleaseView
 from ..probe import CanarySum, GradientProbe
-from .base import LocalChecks, PathSettings, no_canaries
+from .base import AuditNoise, LocalChecks, PathSettings, no_canaries
 
 
 class PerSampleRelease(LocalChecks):
@@ -27,6 +27,7 @@ class PerSampleRelease(LocalChecks):
 
     def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
         self.optimizer, self.probe, self.settings = optimizer, probe, settings
+        self.audit_noise = AuditNoise(settings.noise_seed)
 
     def attach(self, audited_step) -> None:
         opt = self.optimizer
@@ -60,7 +61,8 @@ class PerSampleRelease(LocalChecks):
                 try:
                     read(self.view(data, None, no_canaries(len(planted.is_in)), own=True))
                     every = np.ones(len(planted.is_in), dtype=bool)
-                    added = self.release_with(planted.rows(every))
+                    with self.audit_noise.use(self.optimizer):  # training's noise stream stays as it was
+                        added = self.release_with(planted.rows(every))
                     read(self.view(data, added, every, own=False))
                 finally:
                     for p, r in zip(params, released):
