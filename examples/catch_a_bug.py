@@ -9,8 +9,8 @@ audit raises its alarm within a few steps.
 
 import argparse
 
-from lightning_dpaudit.bugs import BUGS
-from lightning_dpaudit.testing import PrivacyAuditFailure, audit_optimizer
+from lightning_dpaudit import PrivacyAuditFailure, audit_optimizer
+from lightning_dpaudit.integrations.bugs import BUGS
 
 
 def main(bug: str, steps: int) -> None:

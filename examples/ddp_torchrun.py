@@ -21,8 +21,8 @@ from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as D
 from torch.utils.data import DataLoader, DistributedSampler, random_split
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.digits import DigitsCNN, digits_dataset
-from lightning_dpaudit.report import summary_table, write_report
+from lightning_dpaudit.analysis.report import write_report
+from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
 
 def main(steps: int, out: str, bug: str = None) -> None:
@@ -42,7 +42,7 @@ def main(steps: int, out: str, bug: str = None) -> None:
         noise_generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1),
     )
     if bug:
-        from lightning_dpaudit.bugs import inject_bug
+        from lightning_dpaudit.integrations.bugs import inject_bug
 
         inject_bug(optimizer, bug)
     auditor = PrivacyAuditor(optimizer, module=model, seed=0)  # the same seed on every rank
@@ -59,7 +59,7 @@ def main(steps: int, out: str, bug: str = None) -> None:
 
     result = auditor.result()
     if rank == 0:
-        print(summary_table({"result": result.to_dict()}))
+        print(result)  # the summary table `dpaudit report` prints
         paths = write_report(
             out, result, settings={"world_size": dist.get_world_size()}, versions={"torch": torch.__version__},
             history=[], histogram=auditor.log.histogram(),

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.report import summary_table, write_report
+from lightning_dpaudit.analysis.report import write_report
 
 VOCAB, LENGTH, WIDTH, CLASSES = 64, 8, 32, 4
 
@@ -75,7 +75,7 @@ def main(steps: int, out: str, bug: str = None) -> None:
         noise_generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1),
     )
     if bug:
-        from lightning_dpaudit.bugs import inject_bug
+        from lightning_dpaudit.integrations.bugs import inject_bug
 
         inject_bug(optimizer, bug, module=model)
     auditor = PrivacyAuditor(optimizer, seed=0)  # the same seed on every rank
@@ -95,7 +95,7 @@ def main(steps: int, out: str, bug: str = None) -> None:
         local = sum(p.to_local().numel() for p in model.parameters())  # DTensors: this rank's shards
         print(f"sharded: rank 0 holds {local:,} of {sum(p.numel() for p in model.parameters()):,} parameters "
               f"({type(optimizer).__name__})")
-        print(summary_table({"result": result.to_dict()}))
+        print(result)  # the summary table `dpaudit report` prints
         paths = write_report(
             out, result, settings={"world_size": dist.get_world_size(), "sharding": "fsdp2"},
             versions={"torch": torch.__version__}, history=[], histogram=auditor.log.histogram(),

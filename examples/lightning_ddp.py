@@ -27,7 +27,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, DistributedSampler, random_split
 
 from lightning_dpaudit import DPAuditCallback
-from lightning_dpaudit.digits import DigitsCNN, digits_dataset
+from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
 
 class PrivateClassifier(pl.LightningModule):
@@ -60,7 +60,7 @@ class PrivateClassifier(pl.LightningModule):
             noise_generator=self.noise_generator,
         )
         if self.hparams.bug:  # for the tests: a broken optimizer the audit must catch
-            from lightning_dpaudit.bugs import inject_bug
+            from lightning_dpaudit.integrations.bugs import inject_bug
 
             inject_bug(optimizer, self.hparams.bug)
         return optimizer

@@ -19,8 +19,8 @@ from opacus.lightning import DPLightningDataModule
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_dpaudit import DPAuditCallback
-from lightning_dpaudit.demo import DigitsDataModule
-from lightning_dpaudit.digits import DigitsCNN
+from lightning_dpaudit.app.demo import DigitsDataModule
+from lightning_dpaudit.integrations.digits import DigitsCNN
 
 
 class PrivateClassifier(pl.LightningModule):

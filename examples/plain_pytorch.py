@@ -9,7 +9,7 @@ import torch
 from opacus import PrivacyEngine
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.digits import DigitsCNN, digits_dataset
+from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
 
 def main(steps: int) -> None:
@@ -35,6 +35,8 @@ def main(steps: int) -> None:
             if done >= steps:
                 break
     result = auditor.result()
+    print(result)  # the summary table `dpaudit report` prints; auditor.summary() returns it
+    print()
     print(f"steps {result.steps}: empirical epsilon >= {result.epsilon_lower_bound:.2f}, "
           f"accountant epsilon {result.epsilon_accountant:.2f} (delta 1e-5); violation: {result.violation}")
 

@@ -8,12 +8,15 @@ Layers, each importing only from the ones above it:
     integrations  Lightning callback, test-suite helper, bug zoo, bundled digits
     app           the `dpaudit` command and its demo
 
-`lightning_dpaudit.estimators` is importable without torch; the torch-based parts are
+The public API is the names in `__all__`, all imported from here
+(`from lightning_dpaudit import PrivacyAuditor`). Neither `import lightning_dpaudit` nor
+`lightning_dpaudit.estimators` imports torch; the torch- and Lightning-based names are
 loaded on first use. Version 0.1.0's flat import paths (`lightning_dpaudit.testing`,
 `lightning_dpaudit.bugs`, `lightning_dpaudit.digits`, ...) still resolve (see _compat).
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from . import _compat
 from .estimators import EpsilonEstimate, end_to_end_epsilon, epsilon_lower_bound, mu_to_epsilon
@@ -23,21 +26,49 @@ __version__ = "0.2.0"
 _compat.install()
 
 _LAZY = {
+    # the audit of every step: plain PyTorch and Lightning
     "PrivacyAuditor": "engine.auditor",
-    "PrivacyViolationWarning": "engine.auditor",
+    "DPAuditCallback": "integrations.callback",
+    # results
     "AuditResult": "analysis.results",
     "LayerAudit": "analysis.results",
     "Finding": "analysis.results",
-    "audit_optimizer": "integrations.testing",
-    "PrivacyAuditFailure": "integrations.testing",
-    "DPAuditCallback": "integrations.callback",
+    # alerts and errors
+    "PrivacyViolationWarning": "engine.auditor",
     "PrivacyViolationError": "integrations.callback",
+    "AuditFailedWarning": "engine.pipeline",
+    "AuditStateError": "engine.state",
+    # the final-model audit
+    "FinalModelCanaries": "engine.final_model",
+    "CanaryDataModule": "integrations.final_model_data",
+    "FinalModelResult": "analysis.final_model",
+    # test suites
+    "audit_optimizer": "integrations.testing",
+    "train_audited": "integrations.testing",
+    "PrivacyAuditFailure": "integrations.testing",
 }
 
 __all__ = ["EpsilonEstimate", "end_to_end_epsilon", "epsilon_lower_bound", "mu_to_epsilon", "__version__", *_LAZY]
 
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from .analysis.final_model import FinalModelResult
+    from .analysis.results import AuditResult, Finding, LayerAudit
+    from .engine.auditor import PrivacyAuditor, PrivacyViolationWarning
+    from .engine.final_model import FinalModelCanaries
+    from .engine.pipeline import AuditFailedWarning
+    from .engine.state import AuditStateError
+    from .integrations.callback import DPAuditCallback, PrivacyViolationError
+    from .integrations.final_model_data import CanaryDataModule
+    from .integrations.testing import PrivacyAuditFailure, audit_optimizer, train_audited
+
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -77,6 +77,11 @@ class FinalModelResult:
             },
         }
 
+    def __str__(self) -> str:
+        """The final-model section of the summary `dpaudit report` prints: the verdict, each
+        bound with the guesses it counts, the accountant's epsilon."""
+        return "\n".join(summary_lines(self.to_dict()))
+
 
 def audit_final_model(
     scores: Mapping[str, np.ndarray], included, *, delta: float, confidence: float = 0.95,

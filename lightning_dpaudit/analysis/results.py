@@ -110,6 +110,13 @@ class AuditResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def __str__(self) -> str:
+        """The summary table `dpaudit report` prints: the verdict ("OK: ..." or "VIOLATION: ..."),
+        findings, the epsilon and mu rows, the run's facts and one row per tensor."""
+        from .report import summary_table  # the report module loads scipy; results stay light
+
+        return summary_table({"result": self.to_dict()})
+
 
 def violation_message(r: AuditResult) -> str:
     """One line for an alert (the numbers that show the leak and where it is), then one line per finding."""
