@@ -2,6 +2,7 @@
 as opacus.optimizers.get_optimizer_class maps a set-up to its optimizer class.
 
     DPOptimizer, DPPerLayerOptimizer, ghost clipping, ... on one process     PerSampleRelease
+    AdaClipDPOptimizer (clipping="adaptive")                                AdaClipRelease (adaptive.py)
     DistributedDPOptimizer, SimpleDistributedPerLayer..., ghost under DDP    ReducedRelease (several processes)
     FSDPOptimizerFastGradientClipping (FSDP2, ghost clipping)                ShardedRelease (tensors sharded)
 
@@ -33,12 +34,10 @@ def release_path_for(optimizer) -> type:
     families = {c.__name__ for c in type(optimizer).__mro__}
     if "FSDPOptimizerFastGradientClipping" in families:
         return ShardedRelease
-    if "AdaClipDPOptimizer" in families:
-        raise TypeError(
-            "AdaClipDPOptimizer adapts its clipping bound from the share of per-sample norms under it, counted in "
-            "clip_and_accumulate: canary rows would enter that count. Audit with a fixed max_grad_norm, or a "
-            "clipping schedule from opacus.schedulers (the audit follows it step by step)."
-        )
+    if "AdaClipDPOptimizer" in families:  # PerSampleRelease that keeps the canaries out of its count
+        from ..adaptive import AdaClipRelease
+
+        return AdaClipRelease
     if dist.is_reducing(optimizer) and dist.world_size() > 1:
         return ReducedRelease
     return PerSampleRelease
