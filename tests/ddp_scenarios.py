@@ -129,6 +129,25 @@ def _summary(auditor):
             "epsilon_accountant": r.epsilon_accountant}
 
 
+def _halve_linear_bias_samples():
+    from opacus.grad_sample import GradSampleModule
+
+    sampler = GradSampleModule.GRAD_SAMPLERS[torch_nn().Linear]
+
+    def halved(layer, activations, backprops):
+        out = sampler(layer, activations, backprops)
+        out[layer.bias] = out[layer.bias] / 2
+        return out
+
+    GradSampleModule.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, torch_nn().Linear: halved}
+
+
+def torch_nn():
+    import torch
+
+    return torch.nn
+
+
 def correct(rank, world, options):
     """An audited and an un-audited replica of the same run: same updates, same audit on every rank, no alarm."""
     import torch
@@ -137,6 +156,8 @@ def correct(rank, world, options):
 
     steps = int(options.get("steps", STEPS))
     clipping = options.get("clipping", "flat")
+    if options.get("wrong_sampler_rank") == rank:  # this rank's per-sample gradients of Linear biases are halved
+        _halve_linear_bias_samples()
     audited = _private(rank, world, clipping=clipping)
     plain = _private(rank, world, clipping=clipping)
     auditor = PrivacyAuditor(audited[1], seed=options.get("seed"), checksum_every=10)
@@ -168,7 +189,8 @@ def bugs(rank, world, options):
         module, optimizer, loader, _ = _private(rank, world)
         if name != "correct":
             inject_bug(optimizer, name, **options.get("bug_options", {}).get(name, {}))
-        auditor = PrivacyAuditor(optimizer, seed=3)
+        # the canaries' reading alone: the exact checks' per-rank findings are tested on their own
+        auditor = PrivacyAuditor(optimizer, seed=3, per_sample_check_every=0)
         first = {}
 
         def stop(step):

@@ -33,6 +33,18 @@ def test_correct_run_updates_as_unaudited_and_every_rank_agrees(tmp_path):
         assert rank["epsilon_lower_bound"] <= rank["epsilon_accountant"]
 
 
+def test_a_wrong_per_sample_gradient_on_one_rank_is_named_there_and_alarms_every_rank(tmp_path):
+    """The exact per-sample check runs on each rank's own examples (step 1); the finding stays on the rank
+    that found it, the alarm reaches every rank at the same check (the one that ends step 1)."""
+    first, second = launch("correct", tmp_path, steps=12, wrong_sampler_rank=1)
+    assert [p[0] for p in first["problems"]] == ["exact_check_other_rank"]
+    assert [p[0] for p in second["problems"]] == ["per_sample_gradients"]
+    assert "bias`" in second["problems"][0][1] and "plain autograd" in second["problems"][0][1]
+    assert first["violation"] and second["violation"]
+    # rank 1 records its finding at step 1; rank 0 learns of it at the check that ends that step
+    assert second["first_violation_step"] == 1 and first["first_violation_step"] == 2
+
+
 def test_per_layer_clipping_under_ddp_is_audited(tmp_path):
     first, second = launch("correct", tmp_path, steps=30, clipping="per_layer")
     assert first == second and first["optimizer"] == "SimpleDistributedPerLayerOptimizer"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...analysis.monitor import SETUP
+
 from .. import distributed as dist
 from ..kinds.input_canaries import InputCanaries
 from ..kinds.base import Planted, ReleaseView
@@ -30,7 +32,7 @@ from .per_sample import PerSampleRelease, restore_data_sum
 class ReducedRelease(DistributedChecks, PerSampleRelease):
     local = False  # problems and alarms wait for a check that every rank reaches
     reads_on_device = False  # the per-step all-reduce reads on the host
-    checks_per_sample = False  # not yet: a replay's autograd would fire the data-parallel wrapper's gradient hooks
+    checks_per_sample = True  # each rank checks its own examples; a finding alarms every rank at the next check
 
     def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
         super().__init__(optimizer, probe, settings)
@@ -151,14 +153,17 @@ class ReducedRelease(DistributedChecks, PerSampleRelease):
 
     def agree(self, fired: list, recheck, note_problem) -> list:
         """The ranks' observations are identical unless the reduction is broken, so one small
-        all-reduce per check tells each rank whether any rank fired; a rank that did not
-        records why (its release differs from another rank's) and alerts with it."""
-        if self.collectives.any(bool(fired)) and not fired:
-            note_problem(
+        all-reduce per check tells each rank whether any rank fired, and whether for a certainty
+        of its own (an exact check of its data path); a rank that did not fire records why and
+        alerts with it."""
+        fired_anywhere, certain = self.collectives.sum(np.array([bool(fired), SETUP in fired], dtype=float)) > 0
+        if fired_anywhere and not fired:
+            note_problem(*(("exact_check_other_rank", "another rank's exact checks found a problem in its own data "
+                            "path (named in that rank's findings)") if certain else (
                 "rank_disagreement",
                 "another rank's audit fired while this rank's did not: the ranks released different "
                 "gradients (the all-reduce after the noise is missing or altered), so the replicas do not "
                 "apply one noised update",
-            )
+            )))
             fired = recheck()
         return fired
