@@ -47,7 +47,7 @@ class Tokens(nn.Module):
         return self.head(h.sum(dim=1))
 
 
-def run(bug: str, C: float, steps: int, patched: bool):
+def run(bug: str, C: float, steps: int, patched: bool, ghost_mode: bool):
     from opacus import PrivacyEngine
     from opacus.utils.batch_memory_manager import BatchMemoryManager
     from opacus.validators import ModuleValidator
@@ -55,8 +55,7 @@ def run(bug: str, C: float, steps: int, patched: bool):
     from lightning_dpaudit import PrivacyAuditor
     from lightning_dpaudit.integrations.opacus_history import historical_bug
 
-    entry = historical_bug(bug)
-    ghost = "ghost" in entry.modes and bug != "opacus-598"
+    entry, ghost = historical_bug(bug), ghost_mode
     with entry.patch() if patched else contextlib.nullcontext():
         torch.manual_seed(0)
         model = Tokens(attention=bug == "opacus-598")
@@ -70,7 +69,18 @@ def run(bug: str, C: float, steps: int, patched: bool):
                       noise_multiplier=1.0, max_grad_norm=C, poisson_sampling=False,
                       noise_generator=torch.Generator().manual_seed(1))
         engine = PrivacyEngine(accountant="gdp" if bug == "opacus-541" else "prv")
-        if ghost:
+        adaptive = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0,
+                        min_clipbound=0.01)
+        if bug == "opacus-807" and ghost:  # adaptive ghost clipping (PrivacyEngineAdaptiveClipping)
+            from opacus.utils.adaptive_clipping import PrivacyEngineAdaptiveClipping
+
+            module, optimizer, criterion, loader = PrivacyEngineAdaptiveClipping(accountant="prv").make_private(
+                grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(), **adaptive, **kwargs)
+        elif bug == "opacus-807":  # AdaClipDPOptimizer
+            module, optimizer, loader = engine.make_private(clipping="adaptive", unclipped_num_std=1.0, **adaptive,
+                                                            **kwargs)
+            criterion = nn.CrossEntropyLoss()
+        elif ghost:
             module, optimizer, criterion, loader = engine.make_private(
                 grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(), **kwargs)
         else:
@@ -107,23 +117,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print("| bug | shipped in | fixed in | C | Opacus | first alarm | findings | notes | eps bound / accountant |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| bug | shipped in | fixed in | mode | C | Opacus | first alarm | findings | notes | eps bound / accountant |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.bugs.split(","):
         entry = HISTORICAL_BUGS[name]
-        for C in BOUNDS:
-            for patched in (True, False):
+        modes = [m for m in ("ghost", "hooks") if m in entry.modes] or ["hooks"]
+        if name == "opacus-598":
+            modes = ["hooks"]  # DPMultiheadAttention under Opacus's hooks
+        for mode, C, patched in ((m, C, p) for m in modes for C in BOUNDS for p in (True, False)):
                 start = time.perf_counter()
                 try:
-                    result, codes, notes = run(name, C, args.steps, patched)
+                    result, codes, notes = run(name, C, args.steps, patched, mode == "ghost")
                     alarm = "-" if not result.violation else f"step {result.first_violation_step}"
                     eps = f"{result.epsilon_lower_bound:.2f} / {result.epsilon_accountant:.2f}"
                     if math.isnan(result.epsilon_lower_bound):
                         eps = f"- / {result.epsilon_accountant:.2f}"
                 except Exception as error:  # a refusal at attach is a row too
                     alarm, codes, notes, eps = f"refused: {type(error).__name__}: {str(error)[:80]}", [], [], "-"
-                version = f"with the bug of {entry.shipped_in}" if patched else "1.6.0"
-                print(f"| {name} | {entry.shipped_in} | {entry.fixed_in or 'open'} | {C:g} | {version} | {alarm} | "
+                version = "1.6.0 with the bug put back" if patched else "1.6.0"
+                print(f"| {name} | {entry.shipped_in} | {entry.fixed_in or 'open'} | {mode} | {C:g} | {version} | {alarm} | "
                       f"{', '.join(codes) or '-'} | {', '.join(notes) or '-'} | {eps} |  <!-- {time.perf_counter() - start:.0f} s -->",
                       flush=True)
 
