@@ -197,7 +197,7 @@ def test_errors_name_the_problem():
         ({"confidence": 1.0}, "confidence"),
         ({"canary": "laser"}, "valid kinds are dirac, constant, random"),
         ({"mode": "twice"}, "valid modes are one-run, paired"),
-        ({"estimator": "guess"}, "valid methods"),
+        ({"estimator": "guess"}, "`estimator`: 'guess'; valid estimators are"),
         ({"estimator": "katz"}, "pure epsilon-DP"),
         ({"canaries_per_step": 1}, "canaries_per_step"),
         ({"canaries_per_step": 10**6}, "the optimizer has 9802 parameters"),

@@ -445,3 +445,245 @@ def test_estimators_refuse_bad_arguments_by_name(call, message):
 
 def test_end_to_end_epsilon_is_never_negative():
     assert _est.end_to_end_epsilon(1, delta=0.99, sample_rate=0.01, steps=100) == 0.0
+
+
+# ---- refused at once, naming the bad value: what a new user tries first
+
+import os as _os
+import tracemalloc as _tracemalloc
+
+import pytorch_lightning as _pl
+from opacus import PrivacyEngine as _PrivacyEngine
+from torch.utils.data import DataLoader as _DataLoader
+from torch.utils.data import Subset as _Subset
+
+from lightning_dpaudit.engine.kinds.input_canaries import InputCanaries as _InputCanaries
+from lightning_dpaudit.integrations.digits import digits_dataset as _digits
+
+
+class _DigitsData(_pl.LightningDataModule):
+    def train_dataloader(self):
+        return _DataLoader(_Subset(_digits(), range(128)), batch_size=32, shuffle=True,
+                           generator=_torch.Generator().manual_seed(0))
+
+
+class _ManualPrivate(_pl.LightningModule):
+    """Lightning's manual optimization with Opacus; the auditor attaches to `self.optimizers()` (a
+    LightningOptimizer) or to the optimizer inside it."""
+
+    def __init__(self, unwrap: bool):
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = _torch.nn.Sequential(_torch.nn.Flatten(), _torch.nn.Linear(64, 10))
+        self.privacy_engine = _PrivacyEngine(accountant="rdp")
+        self.unwrap, self.auditor = unwrap, None
+
+    def forward(self, x):
+        return self.model(x)
+
+    def configure_optimizers(self):
+        optimizer = _torch.optim.SGD(self.parameters(), lr=0.1)
+        _, optimizer, _ = self.privacy_engine.make_private(
+            module=self, optimizer=optimizer, data_loader=self.trainer.datamodule.train_dataloader(),
+            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
+        )
+        return optimizer
+
+    def on_train_start(self):
+        wrapper = self.optimizers()
+        self.auditor = _Auditor(wrapper.optimizer if self.unwrap else wrapper, seed=0)
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(_torch.nn.functional.cross_entropy(self(images), labels))
+        optimizer.step()
+
+
+def _manual_fit(tmp_path, unwrap: bool) -> _ManualPrivate:
+    _pl.seed_everything(0, verbose=False)
+    module = _ManualPrivate(unwrap)
+    trainer = _pl.Trainer(max_steps=8, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
+    trainer.fit(module, datamodule=_DigitsData())
+    return module
+
+
+def test_manual_optimization_audits_the_optimizer_inside_the_lightning_wrapper(tmp_path):
+    wrapped = _manual_fit(tmp_path / "wrapped", unwrap=False)
+    plain = _manual_fit(tmp_path / "plain", unwrap=True)
+    accountant_steps = sum(n for _, _, n in wrapped.privacy_engine.accountant.history)
+    assert wrapped.auditor.steps == accountant_steps == 8  # every step the accountant composed is audited
+    result = wrapped.auditor.result()
+    assert result.n_in + result.n_out == 8 * wrapped.auditor.per_step and not result.violation
+    assert result.epsilon_accountant == _pytest.approx(wrapped.privacy_engine.accountant.get_epsilon(1e-5))
+    # the same observations as an audit attached to the optimizer itself
+    ours, theirs = wrapped.auditor.observations(), plain.auditor.observations()
+    assert all(_np.array_equal(ours[key], theirs[key]) for key in ("step", "layer", "is_in", "value"))
+    values, is_in = ours["value"], ours["is_in"]
+    assert abs(values[is_in].mean() - 1.0) < 0.2 and abs(values[~is_in].mean()) < 0.2  # N(1, 1) in, N(0, 1) out
+
+
+def test_final_model_canaries_never_wrapped_into_the_training_data_are_refused_before_any_step(tmp_path):
+    from lightning_dpaudit import FinalModelCanaries
+
+    canaries = FinalModelCanaries(8, "ood", num_classes=10, seed=1)
+    callback = DPAuditCallback(seed=0, final_model_canaries=canaries)  # and a datamodule without them
+    module = _ManualPrivate(unwrap=True)
+    module.automatic_optimization, module.on_train_start = True, lambda: None
+    module.training_step = lambda batch, i: _torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
+    trainer = _pl.Trainer(max_steps=4, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", callbacks=[callback])
+    with _pytest.raises(ValueError, match=r"`final_model_canaries`: its wrap\(\) made no training dataset.*"
+                                          r"CanaryDataModule\(your_datamodule, canaries\).*canaries\.wrap\(train_dataset\)"):
+        trainer.fit(module, datamodule=_DigitsData())
+    assert trainer.global_step == 0 and _untouched(trainer.optimizers[0])
+
+
+_AUDITOR_OPTIONS_AT_BUILD = [
+    ({"delta": 2.0}, r"`delta`: 2.0; use a finite number in \(0.0, 1.0\)"),
+    ({"mode": "pair"}, r"`mode`: 'pair'; valid modes are one-run, paired"),
+    ({"canaries_per_step": 0}, r"`canaries_per_step`: 0; use an integer >= 2"),
+    ({"canary": "crafted"}, r"'crafted' canaries need a sample of in-distribution inputs: pass `canary_inputs`"),
+    ({"seed": -1}, r"`seed`: -1; use an integer >= 0"),
+    ({"module": 5}, r"`module`: int; pass the torch.nn.Module"),
+    ({"estimator": "GDP-CP"}, r"`estimator`: 'GDP-CP'; valid estimators are"),
+    ({"observation_window": 0}, r"`observation_window`: 0"),
+    ({"loss_fn": "not callable"}, r"`loss_fn`='not callable' with gradient canaries"),
+    ({"per_sample_check_every": -1}, r"`per_sample_check_every`: -1; use an integer >= 0"),
+]
+
+
+@_pytest.mark.parametrize("options,message", _AUDITOR_OPTIONS_AT_BUILD, ids=[str(o) for o, _ in _AUDITOR_OPTIONS_AT_BUILD])
+def test_the_callback_checks_the_auditors_options_when_it_is_built_with_the_auditors_message(options, message):
+    with _pytest.raises(ValueError, match=message) as at_build:
+        DPAuditCallback(**options)
+    _, optimizer, _, _ = _private(seed=0)
+    with _pytest.raises(ValueError, match=message) as at_attach:
+        _Auditor(optimizer, **options)
+    assert str(at_build.value) == str(at_attach.value)
+
+
+def _with_inputs(**options):
+    inputs, labels = _holdout(16)
+    return {"canary_inputs": inputs, "canary_labels": labels, **options}
+
+
+@_pytest.mark.parametrize("options,message", [
+    ({"canary_inputs": _torch.zeros(16, 1, 8, 8)},
+     r"Unexpected option\(s\) `canary_inputs`=<Tensor of shape \(16, 1, 8, 8\)> with gradient canaries \('dirac'\): "
+     r"they apply to input canaries \(mislabeled, blank, adversarial, crafted\) only"),
+    ({"loss_fn": "not callable"}, r"`loss_fn`='not callable' with gradient canaries \('dirac'\)"),
+    ({"recraft_every": -5}, r"`recraft_every`=-5 with gradient canaries \('dirac'\)"),
+    ({"canary": "random", "canary_labels": _torch.zeros(16, dtype=_torch.long)}, r"`canary_labels`=.* with gradient canaries \('random'\)"),
+    (_with_inputs(canary=_InputCanaries("mislabeled", inputs=_torch.zeros(4, 1, 8, 8), labels=_torch.zeros(4, dtype=_torch.long))),
+     r"`canary_inputs`=.*`canary_labels`=.* with an InputCanaries object \('mislabeled'\): pass them to the InputCanaries"),
+    (_with_inputs(canary="adversarial", recraft_every=-5), r"`recraft_every`: -5; use an integer >= 1"),
+    (_with_inputs(canary="adversarial", loss_fn="not callable"), r"`loss_fn`: 'not callable'; use a callable"),
+    ({"estimator": "GDP-CP"}, r"`estimator`: 'GDP-CP'; valid estimators are epsdelta-cp, epsdelta-bayes, gdp-cp, gdp-bayes$"),
+])
+def test_options_that_do_not_apply_to_the_canary_kind_are_refused_by_name(options, message):
+    model, optimizer, _, _ = _private(seed=0)
+    with _pytest.raises(ValueError, match=message):
+        _Auditor(optimizer, module=model, **options)
+    assert _untouched(optimizer)
+
+
+@_pytest.mark.parametrize("options,message", [
+    ({"epsilon": -0.3}, r"`epsilon`: -0.3; use a finite number in \[0.0, inf\)"),
+    ({"craft_steps": -10}, r"`craft_steps`: -10; use an integer >= 0"),
+    ({"craft_steps": 2.5}, r"`craft_steps`: 2.5"),
+    ({"step_size": 0}, r"`step_size`: 0"),
+    ({"min_strength": "0.9"}, r"`min_strength`: '0.9'"),
+    ({"num_classes": 1}, r"`num_classes`: 1; use an integer >= 2"),
+])
+def test_input_canaries_refuse_negative_or_malformed_settings(options, message):
+    inputs, labels = _holdout(8)
+    with _pytest.raises(ValueError, match=message):
+        _InputCanaries("crafted", inputs=inputs, labels=labels, **options)
+
+
+@_pytest.mark.parametrize("attribute,value,message", [
+    ("noise_multiplier", _torch.tensor(1.0), r"noise_multiplier: tensor\(1\.\) of type Tensor; it must be a Python float"),
+    ("noise_multiplier", "1.0", r"noise_multiplier: '1.0' of type str"),
+    ("max_grad_norm", _torch.tensor(1.0), r"max_grad_norm: tensor\(1\.\) of type Tensor"),
+])
+def test_a_claim_that_is_not_a_number_is_named_with_its_type(attribute, value, message):
+    _, optimizer, _, _ = _private(seed=0)
+    setattr(optimizer, attribute, value)
+    with _pytest.raises(ValueError, match=message):
+        _Auditor(optimizer)
+    assert _untouched(optimizer)
+
+
+@_pytest.mark.parametrize("argv,message", [
+    (["demo", "--no-audit", "--final-model", "50"], r"argument --final-model: not allowed with argument --no-audit"),
+    (["demo", "--no-audit", "--final-model"], r"argument --final-model: not allowed with argument --no-audit"),
+    (["demo", "--no-audit", "--canaries", "8"], r"argument --canaries: not allowed with argument --no-audit"),
+    (["demo", "--no-audit", "--final-model-kind", "blank"], r"argument --final-model-kind: not allowed with argument --no-audit"),
+    (["demo", "--final-model-kind", "blank"], r"argument --final-model-kind: needs argument --final-model"),
+    (["demo", "--threads", str(10**6)], rf"--threads: 1000000 is above {4 * (_os.cpu_count() or 1)} \(4 x the \d+ CPUs\)"),
+])
+def test_cli_refuses_conflicting_flags_and_too_many_threads_with_a_usage_error(argv, message, capsys):
+    with _pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "usage: dpaudit demo" in err, err
+
+
+def test_run_demo_refuses_a_final_model_without_the_audit():
+    from lightning_dpaudit.app.demo import run_demo
+
+    with _pytest.raises(ValueError, match=r"`final_model`: 50 with audit=False"):
+        run_demo(audit=False, final_model=50)
+
+
+def _no_huge_allocation(call) -> None:
+    """call() raises ValueError before it allocates 64 MB."""
+    _tracemalloc.start()
+    try:
+        call()
+    finally:
+        peak = _tracemalloc.get_traced_memory()[1]
+        _tracemalloc.stop()
+        assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MB allocated before the refusal"
+
+
+def _resource_cases():
+    from lightning_dpaudit import FinalModelCanaries
+    from lightning_dpaudit.analysis.observations import ObservationLog
+
+    return [
+        ("window", lambda: _Auditor(_private(seed=0)[1], observation_window=10**10),
+         r"`observation_window`: 10000000000; use an integer in \[1, 67108864\] \(2\*\*26"),
+        ("window-callback", lambda: DPAuditCallback(observation_window=10**10), r"`observation_window`: 10000000000"),
+        ("window-log", lambda: ObservationLog(["dirac"], window=10**10), r"`window`: 10000000000; it must lie in \[1, 67108864\]"),
+        ("final-model", lambda: FinalModelCanaries(10**9), r"`count`: 1000000000; use an integer in \[2, 1000000\] \(10\*\*6"),
+        ("final-model-custom", lambda: FinalModelCanaries(inputs=_torch.zeros(10**6 + 1, 1), labels=_torch.zeros(10**6 + 1, dtype=_torch.long)),
+         r"`len\(inputs\)`: 1000001; use an integer in \[2, 1000000\]"),
+        ("composition", lambda: _est.end_to_end_epsilon(0.5, delta=1e-5, sample_rate=0.001, steps=3 * 10**9, accountant="prv"),
+         r"`steps`: 3,000,000,000 steps to compose; at most 100,000,000 \(10\*\*8\)"),
+        ("composition-rdp", lambda: _est.end_to_end_epsilon(0.5, delta=1e-5, sample_rate=0.001, steps=3 * 10**9),
+         r"at most 100,000,000 \(10\*\*8\)"),
+        ("prv-points", lambda: _est.end_to_end_epsilon(0.5, delta=1e-5, sample_rate=0.001, steps=10**8, accountant="prv"),
+         r"the PRV accountant would discretise 100,000,000 steps on 3.2e\+08 points .* above the bound of 8,388,608 points"),
+        ("one-run", lambda: _est.one_run_epsilon(6 * 10**8, 100, 90), r"`num_canaries`: 600,000,000; at most 10,000,000 \(10\*\*7\)"),
+        ("one-run-p", lambda: _est.one_run_p_value(1.0, num_canaries=6 * 10**8, num_guesses=10**8, num_correct=10**8, delta=0),
+         r"`num_canaries`: 600,000,000"),
+        ("one-run-fdp", lambda: _est.one_run_fdp_epsilon(6 * 10**8, 100, 90, delta=1e-5), r"`num_canaries`: 600,000,000"),
+    ]
+
+
+@_pytest.mark.parametrize("case", range(11), ids=[c[0] for c in _resource_cases()])
+def test_resource_bounds_are_checked_before_anything_is_allocated(case):
+    _, call, message = _resource_cases()[case]
+    with _pytest.raises(ValueError, match=message):
+        _no_huge_allocation(call)
+
+
+def test_one_run_bounds_refuse_more_canaries_than_the_bound():
+    included = _np.zeros(10**7 + 1, dtype=bool)
+    with _pytest.raises(ValueError, match=r"`included`: 10,000,001 canaries; at most 10,000,000 \(10\*\*7\)"):
+        _est.one_run_bounds({"loss": [0.0]}, included, delta=1e-5)

@@ -26,10 +26,10 @@ need, in two bounded parts:
   not resolved. Every observation of the run is in the histograms, whose size is
   2,626 x layers x 2 counts (8 bytes each), 336 kB for 8 tensors.
 * **A window of the most recent raw observations** (`window` rows, 65,536 by
-  default: 23 bytes a row, 1.5 MB), a ring buffer that `arrays()` and `scores()`
-  return in append order. Once more than `window` observations have been appended,
-  the oldest are dropped from it (they stay in the histograms); `total` counts all
-  of them.
+  default: 23 bytes a row, 1.5 MB; at most MAX_WINDOW = 2**26 rows, 1.5 GB, allocated
+  at once), a ring buffer that `arrays()` and `scores()` return in append order.
+  Once more than `window` observations have been appended, the oldest are dropped
+  from it (they stay in the histograms); `total` counts all of them.
 
 * **Running moments**, per layer and in/out: the count, sum and sum of squares of the
   finite observations (`moments()`), from which the findings take exact means and
@@ -55,6 +55,7 @@ BINS_PER_UNIT = 64  # bin width 1/64 = 0.015625 in normalized units: a power of 
 LOW = -20.0  # first finite edge
 HIGH = 21.0  # last finite edge: the range is symmetric about the midpoint 0.5 of the two means
 DEFAULT_WINDOW = 65_536
+MAX_WINDOW = 2**26  # rows of the window, preallocated: 23 bytes each, 1.5 GB at most
 STATE_FORMAT = 2
 
 
@@ -62,12 +63,15 @@ class ObservationLog:
     """Histograms of all observations and a window of the most recent ones (see the module doc).
 
     kinds: the canary kinds the log may see (stored as small integer codes).
-    window: how many of the most recent raw observations to keep (>= 1).
+    window: how many of the most recent raw observations to keep (1 to MAX_WINDOW).
     """
 
     def __init__(self, kinds: List[str], *, window: int = DEFAULT_WINDOW):
-        if int(window) < 1:
-            raise ValueError(f"Unexpected value for `window`: {window}; it must be >= 1")
+        if not 1 <= int(window) <= MAX_WINDOW:
+            raise ValueError(
+                f"Unexpected value for `window`: {window}; it must lie in [1, {MAX_WINDOW}] (2**26 rows of 23 bytes, "
+                "allocated at once: 1.5 GB)"
+            )
         self.kinds = list(kinds)
         self.window = int(window)
         self.total = 0

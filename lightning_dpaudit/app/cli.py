@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 # Canary kinds of canaries.KINDS and input_canaries.INPUT_KINDS, named here so that
 # building the parser does not import torch.
@@ -84,8 +85,9 @@ def _report(args) -> int:
     return 0
 
 
-def _at_least(minimum: int):
-    """An argparse type: an integer >= minimum (argparse prints the usage error and exits with 2)."""
+def _at_least(minimum: int, maximum: Optional[int] = None, why: str = ""):
+    """An argparse type: an integer >= minimum, and <= maximum if given (`why` says what sets it); argparse
+    prints the usage error and exits with 2."""
 
     def parse(text: str) -> int:
         try:
@@ -94,10 +96,31 @@ def _at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}; use an integer >= {minimum}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} is above {maximum}{why}; use an integer in [{minimum}, {maximum}]")
         return value
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+CPUS = os.cpu_count() or 1
+MAX_THREADS = 4 * CPUS  # torch.set_num_threads far above the cores can exhaust the process (a crash, not an error)
+AUDIT_ONLY = ("--canaries", "--final-model", "--final-model-kind")  # flags that mean nothing under --no-audit
+
+
+def _check_demo_flags(parser: argparse.ArgumentParser, args) -> None:
+    """Flags that contradict each other are an error naming both (argparse's usage error, exit status 2)."""
+    given = {"--canaries": args.canaries is not None, "--final-model": args.final_model is not None,
+             "--final-model-kind": args.final_model_kind is not None}
+    if args.no_audit:
+        for flag in AUDIT_ONLY:
+            if given[flag]:
+                parser.error(f"argument {flag}: not allowed with argument --no-audit (it applies to the audit)")
+    if given["--final-model-kind"] and not given["--final-model"]:
+        parser.error("argument --final-model-kind: needs argument --final-model (the final-model audit it configures)")
+    if args.final_model_kind is None:
+        args.final_model_kind = "ood"
 
 
 def _positive_real(text: str) -> float:
@@ -141,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also audit the trained model: M canaries (default 500) in the training data, each with probability 1/2",
     )
     demo.add_argument(
-        "--final-model-kind", default="ood", choices=FINAL_MODEL_CANARIES,
+        "--final-model-kind", default=None, choices=FINAL_MODEL_CANARIES,
         help="final-model canaries: random out-of-distribution inputs with random labels (ood, default), or "
         "held-out digits with wrong labels (mislabeled), blank images, or crafted ones",
     )
@@ -152,10 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=_at_least(0), default=0)
     demo.add_argument("--no-progress-bar", action="store_true")
     demo.add_argument(
-        "--threads", type=_at_least(1), default=None,
-        help="torch intra-op threads (default: torch's choice); 1 is much faster when other work shares the cores",
+        "--threads", type=_at_least(1, MAX_THREADS, f" (4 x the {CPUS} CPUs)"), default=None,
+        help=f"torch intra-op threads, 1 to {MAX_THREADS} (default: torch's choice); 1 is much faster when other work "
+        "shares the cores",
     )
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(run=_demo, check=_check_demo_flags, parser=demo)
     report = commands.add_parser("report", help="print the summary of a finished audit")
     report.add_argument("directory", help="a run's log directory (or a folder above it)")
     report.set_defaults(run=_report)
@@ -164,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "check", None) is not None:
+        args.check(args.parser, args)
     return args.run(args)
 
 

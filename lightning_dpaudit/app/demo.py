@@ -153,9 +153,15 @@ def run_demo(
     steps and canaries_per_step default to demo_plan(canary); input canaries are the
     digits held out from training (held_out_digits). final_model: that many final-model
     canaries of `final_model_kind` join the training data, each with probability 1/2
-    (the demo fixes their secret seed from `seed`, so that a run can be repeated).
+    (the demo fixes their secret seed from `seed`, so that a run can be repeated); it needs the audit.
     """
     from pytorch_lightning.loggers import TensorBoardLogger
+
+    if final_model and not audit:
+        raise ValueError(
+            f"Unexpected value for `final_model`: {final_model} with audit=False; the final-model canaries are "
+            "scored by the audit's callback: pass audit=True or final_model=None"
+        )
 
     from ..integrations.callback import DPAuditCallback
 
@@ -166,7 +172,7 @@ def run_demo(
         options["canary_inputs"], options["canary_labels"] = held_out_digits(seed)
     pl.seed_everything(seed, verbose=False)
     data = DigitsDataModule(seed=seed)
-    if final_model and audit:
+    if final_model:
         from ..engine.final_model import FinalModelCanaries
         from ..integrations.final_model_data import CanaryDataModule
 

@@ -10,7 +10,8 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from .. import estimators as est
+from ..analysis.observations import MAX_WINDOW
+from ..estimators.bounds import METHODS
 from .kinds.canaries import KINDS
 from .kinds.input_canaries import INPUT_KINDS, InputCanaries
 
@@ -50,12 +51,14 @@ class AuditOptions:
         return self.canary.kind if self.input else self.canary
 
 
-def integer(name: str, value, minimum: int) -> int:
-    """`value` as an int >= minimum; bools and non-integral numbers are refused, not truncated."""
+def integer(name: str, value, minimum: int, maximum: Optional[int] = None, why: str = "") -> int:
+    """`value` as an int in [minimum, maximum] (maximum None: no upper bound; `why` says what sets it);
+    bools and non-integral numbers are refused, not truncated."""
+    allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]{why}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"Unexpected value for `{name}`: {value!r}; use an integer >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"Unexpected value for `{name}`: {value}; use an integer >= {minimum}")
+        raise ValueError(f"Unexpected value for `{name}`: {value!r}; use {allowed}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"Unexpected value for `{name}`: {value}; use {allowed}")
     return int(value)
 
 
@@ -92,12 +95,26 @@ def one_argument_callable(name: str, value) -> Optional[Callable]:
     return value
 
 
-def validate(
-    optimizer, *, delta, confidence, canary, canaries_per_step, mode, estimator, seed, canary_scale, moving, support,
-    check_every, module, on_violation, canary_inputs, canary_labels, loss_fn, recraft_every, observe_steps,
-    observation_window, checksum_every,
-) -> AuditOptions:
-    """AuditOptions from the constructor's keywords, or a ValueError naming the first bad one."""
+SETTINGS = (
+    "delta", "confidence", "canary", "canaries_per_step", "mode", "estimator", "seed", "canary_scale", "moving",
+    "support", "check_every", "module", "on_violation", "canary_inputs", "canary_labels", "loss_fn", "recraft_every",
+    "observe_steps", "observation_window", "checksum_every", "per_sample_check_every", "per_sample_check_examples",
+)  # PrivacyAuditor's options that check_settings validates; the callback checks what it passes by these names
+ESTIMATORS = tuple(m for m in METHODS if m != "katz")
+INPUT_ONLY = ("canary_inputs", "canary_labels", "loss_fn", "recraft_every")  # options of input canaries alone
+
+
+def check_settings(
+    *, delta, confidence, canary, canaries_per_step, mode, estimator, seed, canary_scale, moving, support, check_every,
+    module, on_violation, canary_inputs, canary_labels, loss_fn, recraft_every, observe_steps, observation_window,
+    checksum_every, per_sample_check_every=None, per_sample_check_examples=None,
+) -> dict:
+    """The options that do not depend on the optimizer, validated: a dict of AuditOptions' fields (`canary` an
+    InputCanaries for input kinds, `canaries_per_step` still "auto" if so given), or a ValueError naming the
+    first bad one. per_sample_check_every / _examples are checked when given (None: not given) and not returned.
+
+    PrivacyAuditor calls it through `validate` at attach, DPAuditCallback when it is built.
+    """
     if estimator == "katz":
         raise ValueError(
             "estimator 'katz' bounds pure epsilon-DP, which no Gaussian mechanism has; use gdp-cp, gdp-bayes, "
@@ -105,7 +122,8 @@ def validate(
         )
     delta = real("delta", delta, low=0.0, high=1.0)
     confidence = real("confidence", confidence, low=0.0, high=1.0)
-    est.epsilon_lower_bound([], [], delta=delta, method=estimator, confidence=confidence)  # the estimator's name
+    if not isinstance(estimator, str) or estimator not in ESTIMATORS:
+        raise ValueError(f"Unexpected value for `estimator`: {estimator!r}; valid estimators are {', '.join(ESTIMATORS)}")
     if mode not in MODES:
         raise ValueError(f"Unexpected value for `mode`: {mode!r}; valid modes are {', '.join(MODES)}")
     if seed is not None:
@@ -115,34 +133,78 @@ def validate(
     support = integer("support", support, 1)
     check_every = "auto" if check_every == "auto" else integer("check_every", check_every, 1)
     observe_steps = None if observe_steps is None else integer("observe_steps", observe_steps, 1)
-    observation_window = integer("observation_window", observation_window, 1)
+    observation_window = integer(
+        "observation_window", observation_window, 1, MAX_WINDOW, " (2**26: the window's rows are allocated at once, "
+        "23 bytes each)",
+    )
     checksum_every = integer("checksum_every", checksum_every, 0)
+    if per_sample_check_every is not None:
+        integer("per_sample_check_every", per_sample_check_every, 0)
+    if per_sample_check_examples is not None:
+        integer("per_sample_check_examples", per_sample_check_examples, 1)
     on_violation = one_argument_callable("on_violation", on_violation)
     if module is not None and not callable(getattr(module, "parameters", None)):
         raise ValueError(f"Unexpected value for `module`: {type(module).__name__}; pass the torch.nn.Module being trained")
+    input_options = {"canary_inputs": canary_inputs, "canary_labels": canary_labels, "loss_fn": loss_fn,
+                     "recraft_every": recraft_every}
     if isinstance(canary, str) and canary in INPUT_KINDS:
         canary = InputCanaries(canary, inputs=canary_inputs, labels=canary_labels, loss_fn=loss_fn, recraft_every=recraft_every)
-    elif not isinstance(canary, InputCanaries) and canary not in KINDS:
+    elif isinstance(canary, InputCanaries):
+        _refuse_inapplicable(input_options, f"an InputCanaries object ({canary.kind!r})",
+                             "pass them to the InputCanaries instead")
+    elif isinstance(canary, str) and canary in KINDS:
+        _refuse_inapplicable(input_options, f"gradient canaries ({canary!r})",
+                             f"they apply to input canaries ({', '.join(INPUT_KINDS)}) only")
+    else:
         raise ValueError(
             f"Unexpected value for `canary`: {canary!r}; valid kinds are {', '.join(KINDS + INPUT_KINDS)} "
             "or an InputCanaries object"
         )
-    parameters = sum(p.numel() for p in optimizer.params)
-    if canaries_per_step == "auto":
-        canaries_per_step = auto_canaries(canary, parameters, support)
-    minimum = 2 if mode == "one-run" else 1
-    canaries_per_step = integer("canaries_per_step", canaries_per_step, minimum)
-    if isinstance(canary, InputCanaries) and canaries_per_step > MAX_INPUT_CANARIES:
-        raise ValueError(
-            f"Unexpected value for `canaries_per_step`: {canaries_per_step}; input canaries are at most "
-            f"{MAX_INPUT_CANARIES} per step (each holds a gradient of {parameters:,} values)"
-        )
-    return AuditOptions(
+    if canaries_per_step != "auto":
+        canaries_per_step = integer("canaries_per_step", canaries_per_step, 2 if mode == "one-run" else 1)
+        if isinstance(canary, InputCanaries) and canaries_per_step > MAX_INPUT_CANARIES:
+            raise ValueError(
+                f"Unexpected value for `canaries_per_step`: {canaries_per_step}; input canaries are at most "
+                f"{MAX_INPUT_CANARIES} per step (each holds a per-example gradient the size of the model)"
+            )
+    return dict(
         delta=delta, confidence=confidence, canary=canary, canaries_per_step=canaries_per_step, mode=mode,
         estimator=estimator, seed=seed, canary_scale=canary_scale, moving=moving, support=support,
         check_every=check_every, observe_steps=observe_steps, observation_window=observation_window,
         checksum_every=checksum_every, on_violation=on_violation,
     )
+
+
+def _refuse_inapplicable(options: dict, kind: str, advice: str) -> None:
+    """Refuse the input-canary options given (not at their defaults) with a canary kind that does not read them."""
+    given = [name for name in INPUT_ONLY if not _at_default(name, options[name])]
+    if given:
+        shown = ", ".join(f"`{name}`={_short(options[name])}" for name in given)
+        raise ValueError(f"Unexpected option(s) {shown} with {kind}: {advice}")
+
+
+def _at_default(name: str, value) -> bool:
+    """PrivacyAuditor's default for an input-canary option: None, and "auto" for recraft_every."""
+    return value is None or (name == "recraft_every" and isinstance(value, str) and value == "auto")
+
+
+def _short(value) -> str:
+    """A value for a message: a tensor by its shape, anything else by a repr cut to 40 characters."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype"):
+        return f"<{type(value).__name__} of shape {tuple(shape)}>"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def validate(optimizer, **options) -> AuditOptions:
+    """AuditOptions from the constructor's keywords (check_settings), with the canaries per step resolved for the
+    optimizer's size, or a ValueError naming the first bad one."""
+    settings = check_settings(**options)
+    if settings["canaries_per_step"] == "auto":
+        parameters = sum(p.numel() for p in optimizer.params)
+        settings["canaries_per_step"] = auto_canaries(settings["canary"], parameters, settings["support"])
+    return AuditOptions(**settings)
 
 
 @dataclass(frozen=True)
@@ -183,17 +245,28 @@ def check_opacus_version(version: str) -> None:
         )
 
 
+def _not_a_number(name: str, value) -> None:
+    """Refuse an optimizer attribute that is not a plain number (a tensor, a string), naming its value and type."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"Unexpected value for the optimizer's {name}: {value!r} of type {type(value).__name__}; it must be a "
+            f"Python float (set optimizer.{name} = float(...))"
+        )
+
+
 def check_claim(optimizer) -> None:
     """The optimizer's noise multiplier and clipping bound(s) must make a privacy claim to audit."""
     sigma = optimizer.noise_multiplier
-    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma <= 0:
+    _not_a_number("noise_multiplier", sigma)
+    if not math.isfinite(sigma) or sigma <= 0:
         raise ValueError(
             f"Unexpected value for the optimizer's noise_multiplier: {sigma}; "
             "with no noise there is no privacy claim to audit (it must be a finite number > 0)"
         )
-    bounds = getattr(optimizer, "max_grad_norms", None) or [optimizer.max_grad_norm]
-    for bound in bounds:
-        if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
+    per_layer = getattr(optimizer, "max_grad_norms", None)
+    for bound in [optimizer.max_grad_norm] if per_layer is None or len(per_layer) == 0 else per_layer:
+        _not_a_number("max_grad_norm", bound)
+        if not math.isfinite(bound) or bound <= 0:
             raise ValueError(
                 f"Unexpected value for the optimizer's max_grad_norm: {bound}; clipping needs a finite bound > 0"
             )
@@ -219,6 +292,24 @@ def auto_canaries(canary, parameters: int, support: int) -> int:
         return DEFAULT_INPUT_CANARIES
     width = 1 if canary == "dirac" else int(support)
     return max(2, min(DEFAULT_GRADIENT_CANARIES, parameters // (2 * width)) // 2 * 2)
+
+
+OPTIMIZER_WRAPPERS = ("LightningOptimizer", "_FabricOptimizer")  # Lightning's and Fabric's step wrappers
+
+
+def unwrapped_optimizer(optimizer):
+    """The optimizer inside Lightning's LightningOptimizer (what `LightningModule.optimizers()` returns, in
+    manual optimization) or Fabric's wrapper; any other optimizer itself.
+
+    The wrapper passes isinstance checks for the optimizer's class but holds none of its state: a hook
+    put on it never sees the optimizer's steps. Lightning is not imported: the wrapper is known by its class.
+    """
+    while any(cls.__name__ in OPTIMIZER_WRAPPERS for cls in type(optimizer).__mro__):
+        inner = vars(optimizer).get("_optimizer")
+        if inner is None:
+            break
+        optimizer = inner
+    return optimizer
 
 
 def find_accountant(optimizer):

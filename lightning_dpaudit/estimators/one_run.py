@@ -22,6 +22,8 @@ from scipy.stats import binom
 
 from ._checks import check_confidence, check_count, check_delta, check_nonnegative
 
+MAX_CANARIES = 10**7  # m: the p-value holds arrays of up to m binomial terms (80 MB each at 10**7)
+
 
 def one_run_p_value(epsilon: float, *, num_canaries: int, num_guesses: int, num_correct: int, delta: float) -> float:
     """p(epsilon) above: how surprising num_correct is if the run were (epsilon, delta)-DP."""
@@ -63,6 +65,8 @@ def one_run_epsilon(
 
 def _check_guesses(num_canaries, num_guesses, num_correct):
     m = check_count(num_canaries, "num_canaries")
+    if m > MAX_CANARIES:
+        raise ValueError(f"Unexpected value for `num_canaries`: {m:,}; at most {MAX_CANARIES:,} (10**7) canaries are bounded")
     r = check_count(num_guesses, "num_guesses")
     v = check_count(num_correct, "num_correct")
     if r > m:

@@ -24,7 +24,7 @@ from typing import Callable, Dict, Mapping, Tuple
 import numpy as np
 
 from ._checks import check_confidence, check_delta, check_scores
-from .one_run import one_run_epsilon
+from .one_run import MAX_CANARIES, one_run_epsilon
 from .one_run_fdp import one_run_fdp_epsilon
 
 GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -102,6 +102,10 @@ def one_run_bounds(
     if selection not in SELECTIONS:
         raise ValueError(f"Unexpected value for `selection`: {selection!r}; use one of {', '.join(SELECTIONS)}")
     included = np.asarray(included, dtype=bool).reshape(-1)
+    if len(included) > MAX_CANARIES:
+        raise ValueError(
+            f"Unexpected value for `included`: {len(included):,} canaries; at most {MAX_CANARIES:,} (10**7) are bounded"
+        )
     if not scores:
         raise ValueError("`scores` is empty: give at least one score per canary")
     table = {name: check_scores(values, f"scores[{name!r}]") for name, values in scores.items()}

@@ -23,7 +23,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ..engine.auditor import PrivacyAuditor
-from ..engine.options import check_accountant, flag, integer, one_argument_callable, real
+from ..engine.options import SETTINGS, check_accountant, check_settings, flag, integer, one_argument_callable, real
 from ..engine.pipeline import AuditFailedWarning
 from ..analysis.monitor import POOLED
 from .budget import TimeBudget
@@ -89,6 +89,8 @@ class DPAuditCallback(AuditCheckpointing, Callback):
                 "final_model_canaries, final_model_every_n_epochs and PrivacyAuditor's options"
             )
         check_accountant(accountant)
+        defaults = {name: p.default for name, p in inspect.signature(PrivacyAuditor).parameters.items() if name in SETTINGS}
+        check_settings(**{**defaults, **auditor_options})  # PrivacyAuditor's own checks, now rather than at fit start
         self.alert = alert
         self.log_every_n_steps = integer("log_every_n_steps", log_every_n_steps, 1)
         self.budget = TimeBudget(real("logging_budget", logging_budget, low=0.0, high=1.0, high_open=False))

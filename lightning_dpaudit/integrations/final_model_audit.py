@@ -43,7 +43,15 @@ class FinalModelTracker:
 
     def start(self, model) -> None:
         """Score through `model` from now on; the canaries' losses before the first step (kept
-        from a checkpoint on resume)."""
+        from a checkpoint on resume). Called at train start, when the training data loader is built:
+        canaries that wrap() never added to the training data are refused here, before any step."""
+        if not self.canaries.wrapped:
+            raise ValueError(
+                "Unexpected value for `final_model_canaries`: its wrap() made no training dataset, so no canary "
+                "is trained on and the final-model bound would measure nothing; train on "
+                "CanaryDataModule(your_datamodule, canaries) (lightning_dpaudit.CanaryDataModule), or on a DataLoader "
+                "over canaries.wrap(train_dataset)"
+            )
         if type(model).forward in (torch.nn.Module.forward, pl.LightningModule.forward):
             raise ValueError(
                 f"final-model canaries are scored through the model's forward, and {type(model).__name__} defines none: "

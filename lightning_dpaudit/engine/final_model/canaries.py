@@ -23,12 +23,16 @@ from .examples import DataTemplate, Examples, check_examples, check_kind_inputs,
 from .scores import canary_losses, cross_entropy, score_canaries
 
 STATE_VERSION = 1
+MAX_CANARIES = 10**6  # m: the examples, the inclusion and every score are held in memory (and scored) at once
+
+
+_WHY_MAX = " (10**6: the canaries and their scores are held in memory at once)"
 
 
 class FinalModelCanaries:
     """m canaries for a final-model audit: the examples, the secret inclusion, the scores.
 
-    count: m >= 2. kind: "ood", "mislabeled", "blank" or "crafted" (examples.py); or pass
+    count: m, 2 to MAX_CANARIES (10**6). kind: "ood", "mislabeled", "blank" or "crafted" (examples.py); or pass
     your own `inputs` and `labels` (kind "custom", m = len(inputs), `count` unused).
     held_out=(inputs, labels): examples not trained on ("mislabeled", "crafted").
     num_classes: labels lie in [0, num_classes); default max held-out label + 1, else
@@ -58,19 +62,21 @@ class FinalModelCanaries:
             )
         self._loss_fn = loss_fn
         self._frozen = False
+        self._wrapped = False  # wrap() made a training dataset
         self._start: Optional[np.ndarray] = None
         self._pending_fingerprint: Optional[str] = None
         self._examples: Optional[Examples] = None
         if inputs is not None or labels is not None:
             if inputs is None or labels is None:
                 raise ValueError("custom canaries need both `inputs` and `labels`; got only one of them")
-            self._examples = tuple(t.clone() for t in check_examples("inputs", inputs, labels))
-            self._kind, self._count = "custom", integer("len(inputs)", len(inputs), 2)
+            checked = check_examples("inputs", inputs, labels)
+            self._kind, self._count = "custom", integer("len(inputs)", len(inputs), 2, MAX_CANARIES, _WHY_MAX)
+            self._examples = tuple(t.clone() for t in checked)
             self._num_classes = num_classes or int(self._examples[1].max()) + 1
             if int(self._examples[1].max()) >= self._num_classes:
                 raise ValueError(f"Unexpected value for `num_classes`: {num_classes}; `labels` go up to {int(labels.max())}")
             return
-        self._count = integer("count", count, 2)
+        self._count = integer("count", count, 2, MAX_CANARIES, _WHY_MAX)
         held_out = check_kind_inputs(kind, self._count, held_out, model)
         self._kind = kind
         if num_classes is None and held_out is not None:
@@ -105,6 +111,11 @@ class FinalModelCanaries:
         return np.random.default_rng(self._seed).random(self._count) < 0.5
 
     @property
+    def wrapped(self) -> bool:
+        """True once wrap() has made a training dataset with the included canaries (CanaryDataModule calls it)."""
+        return self._wrapped
+
+    @property
     def num_included(self) -> int:
         return int(self.included.sum())
 
@@ -123,6 +134,7 @@ class FinalModelCanaries:
         shape = tuple(self._examples[0].shape[1:])
         if shape != template.shape:
             raise ValueError(f"the canary inputs have shape {shape} and the training inputs {template.shape}")
+        self._wrapped = True
         return CanaryDataset(dataset, self, template.dtype, template.label_dtype)
 
     def _build(self, template: DataTemplate) -> None:

@@ -20,6 +20,7 @@ per-sample-gradient hooks switched off while canaries are built.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -245,12 +246,26 @@ class InputCanaries:
         num_classes: Optional[int] = None,
         min_strength: float = 0.9,
     ):
+        from ..options import integer, real  # options.py imports this module
+
         if kind not in INPUT_KINDS:
             raise ValueError(f"Unexpected value for `canary`: {kind!r}; input canary kinds are {', '.join(INPUT_KINDS)}")
-        if recraft_every == "auto":
+        if isinstance(recraft_every, str) and recraft_every == "auto":
             recraft_every = RECRAFT_EVERY.get(kind)
-        if recraft_every is not None and (isinstance(recraft_every, str) or int(recraft_every) < 1):
-            raise ValueError(f"Unexpected value for `recraft_every`: {recraft_every}; use an integer >= 1, 'auto' or None")
+        if recraft_every is not None and (isinstance(recraft_every, bool) or not isinstance(recraft_every, numbers.Integral)
+                                          or recraft_every < 1):
+            raise ValueError(f"Unexpected value for `recraft_every`: {recraft_every!r}; use an integer >= 1, 'auto' or None")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(
+                f"Unexpected value for `loss_fn`: {loss_fn!r}; use a callable (outputs, labels) -> the loss summed "
+                "over the batch, or None for cross-entropy"
+            )
+        craft_steps = integer("craft_steps", craft_steps, 0)
+        step_size = real("step_size", step_size, low=0.0)
+        epsilon = real("epsilon", epsilon, low=0.0, low_open=False)
+        min_strength = real("min_strength", min_strength, low=0.0, high=1.0, high_open=False)
+        if num_classes is not None:
+            num_classes = integer("num_classes", num_classes, 2)
         if inputs is None or len(inputs) == 0:
             raise ValueError(
                 f"{kind!r} canaries need a sample of in-distribution inputs: pass `canary_inputs` and `canary_labels` "
@@ -260,11 +275,9 @@ class InputCanaries:
         self.inputs, self.labels = inputs, labels
         self.loss_fn = loss_fn or nn.CrossEntropyLoss(reduction="sum")
         self.recraft_every = None if recraft_every is None else int(recraft_every)
-        self.options = {"steps": int(craft_steps), "step_size": float(step_size), "epsilon": float(epsilon), "norm_floor": None}
-        if not 0.0 < float(min_strength) <= 1.0:
-            raise ValueError(f"Unexpected value for `min_strength`: {min_strength}; it must lie in (0, 1]")
+        self.options = {"steps": craft_steps, "step_size": step_size, "epsilon": epsilon, "norm_floor": None}
         self.num_classes = num_classes
-        self.min_strength = float(min_strength)
+        self.min_strength = min_strength
         self.x: Optional[torch.Tensor] = None
         self.y: Optional[torch.Tensor] = None
         self.builds = 0
