@@ -23,12 +23,12 @@ class Mixed(nn.Module):
     """Every layout the check must follow: Linear on 2-D and on sequences (biases too), Embedding,
     LayerNorm, Conv1d and dropout."""
 
-    def __init__(self, sequence: bool):
+    def __init__(self, sequence: bool, dropout: float = 0.25):
         super().__init__()
         self.sequence = sequence
         self.embed = nn.Embedding(20, 8)
         self.conv = nn.Conv1d(8, 8, 3, padding=1)
-        self.drop = nn.Dropout(0.25)
+        self.drop = nn.Dropout(dropout)
         self.hidden = nn.Linear(8, 12)
         self.norm = nn.LayerNorm(12)
         self.head = nn.Linear(12, 3)
@@ -42,9 +42,10 @@ class Mixed(nn.Module):
         return self.head(h).sum(dim=1)  # Linear on sequences whose positions add up
 
 
-def setup(mode: str, *, sequence: bool = True, max_grad_norm: float = 1.0, seed: int = 0, every: int = 1):
+def setup(mode: str, *, sequence: bool = True, max_grad_norm: float = 1.0, seed: int = 0, every: int = 1,
+          dropout: float = 0.25):
     torch.manual_seed(seed)
-    model = Mixed(sequence)
+    model = Mixed(sequence, dropout)
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 20, (96, 6), generator=g)
     y = torch.randint(0, 3, (96,), generator=g)
@@ -278,3 +279,24 @@ def test_opacus_releases_before_1_6_are_refused_with_the_reason(version, refused
             check_opacus_version(version)
     else:
         check_opacus_version(version)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_deterministic_model_replays_the_chosen_examples_alone_and_still_sees_a_bug(mode, monkeypatch):
+    """Without dropout the chosen examples' outputs come back exactly from a replay of them alone (cheap);
+    with dropout they do not, and the whole batch is replayed from its RNG state."""
+    quiet = train(*setup(mode, dropout=0.0), steps=4, auditor_kwargs=dict(per_sample_check_every=1))
+    assert quiet.per_sample_check.replays == {"examples": 3, "batch": 0} and quiet.problems == []
+    noisy = train(*setup(mode), steps=4, auditor_kwargs=dict(per_sample_check_every=1))
+    assert noisy.per_sample_check.replays == {"examples": 0, "batch": 3} and noisy.problems == []
+    if mode == "ghost":
+        samplers = dict(GradSampleModuleFastGradientClipping.NORM_SAMPLERS)
+        samplers[nn.Linear] = _scaled(samplers[nn.Linear], "bias", 0.04, only_sequences=True)
+        monkeypatch.setattr(GradSampleModuleFastGradientClipping, "NORM_SAMPLERS", samplers)
+    else:
+        samplers = dict(GradSampleModule.GRAD_SAMPLERS)
+        samplers[nn.Conv1d] = _scaled(samplers[nn.Conv1d], "weight", 0.5, only_sequences=False)
+        monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
+    broken = train(*setup(mode, dropout=0.0), steps=3, auditor_kwargs={})
+    assert broken.per_sample_check.replays["examples"] == 1
+    assert [code for code, *_ in broken.problems] == ["per_sample_gradients"]

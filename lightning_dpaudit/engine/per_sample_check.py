@@ -6,7 +6,9 @@ batch the model saw before the step (the auditor's own generator chooses them):
     g_i         the gradient the user's loss sent to the model's output for example i
                 (read by a tensor hook during the step's first backward pass)
     expected_i  s * d<out_i, g_i>/dtheta, by plain autograd with Opacus's hooks off,
-                replaying the model's forward on the same inputs and RNG state (dropout alike);
+                replaying the model's forward on the same inputs and RNG state (dropout alike):
+                on the chosen examples alone when that gives their recorded outputs again, else
+                on the whole batch;
                 s = the batch size under loss_reduction="mean" (Opacus scales backprops by it), else 1
 
 and compares, for every tensor p the optimizer trains,
@@ -49,6 +51,7 @@ class _Call:
     chosen: Optional[np.ndarray] = None
     grads: dict = field(default_factory=dict)  # output leaf index -> gradient rows of the chosen examples
     backward: Optional[int] = None  # the backward pass that brought them
+    outputs: dict = field(default_factory=dict)  # output leaf index -> the chosen examples' rows of the output
 
 
 class PerSampleCheck:
@@ -72,6 +75,7 @@ class PerSampleCheck:
         self.calls: List[_Call] = []
         self.replaying = False  # True while the check itself runs the model (nothing is captured then)
         self.checked = 0  # steps whose examples were compared
+        self.replays = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
         self.skipped: Optional[str] = None  # why the last due step could not be compared
         self.failed: Optional[str] = None
         self._wrapped = None
@@ -153,6 +157,7 @@ class PerSampleCheck:
         for j, leaf in enumerate(leaves):
             if leaf.shape[0] == call.batch:
                 leaf.register_hook(_first_gradient(call, j, rows))
+                call.outputs[j] = leaf.detach()[rows].clone()  # what a replay of the chosen examples must give
         return None
 
     # ------------------------------------------------------------------ check
@@ -267,17 +272,11 @@ class PerSampleCheck:
         try:
             if was_enabled:
                 gsm.disable_hooks()
-            devices = [d for d, _ in call.cuda_states]
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                torch.set_rng_state(call.rng_state)
-                for d, state in call.cuda_states:
-                    torch.cuda.set_rng_state(state, d)
-                output = self.target(*call.args, **call.kwargs)
-            leaves = [t for t in _tensors(output) if t.requires_grad and t.dim() > 0]
+            leaves, index = self._replay(call)
             scale = float(call.batch) if getattr(gsm, "loss_reduction", "mean") == "mean" else 1.0
             wanted = [p for p in self.params if p.requires_grad]
             expected = []
-            for position, i in enumerate(call.chosen):
+            for position, i in enumerate(index):
                 inner = sum((leaves[j][int(i)] * g[position]).sum() for j, g in call.grads.items())
                 last = position == len(call.chosen) - 1
                 grads = dict(zip(map(id, wanted), torch.autograd.grad(inner, wanted, retain_graph=not last,
@@ -291,6 +290,30 @@ class PerSampleCheck:
             with torch.no_grad():
                 for b, copy in buffers:
                     b.copy_(copy)
+
+    def _replay(self, call: _Call):
+        """(output leaves, the chosen examples' rows in them): the chosen examples alone when that reproduces
+        their outputs (a forward pass that is per-example and draws no randomness), else the whole batch."""
+        sliced = _sliced((call.args, call.kwargs), call.chosen, call.batch)
+        if sliced is not None:
+            try:
+                leaves = self._forward(call, *sliced)
+                if all(j < len(leaves) and _same_rows(leaves[j], rows) for j, rows in call.outputs.items()):
+                    self.replays["examples"] += 1
+                    return leaves, range(len(call.chosen))
+            except Exception:  # a forward pass that refuses a smaller batch: replay the whole batch
+                pass
+        self.replays["batch"] += 1
+        return self._forward(call, call.args, call.kwargs), call.chosen
+
+    def _forward(self, call: _Call, args, kwargs) -> list:
+        """The target's forward pass from the call's RNG state (torch's own state restored after)."""
+        with torch.random.fork_rng(devices=[d for d, _ in call.cuda_states]), torch.enable_grad():
+            torch.set_rng_state(call.rng_state)
+            for d, state in call.cuda_states:
+                torch.cuda.set_rng_state(state, d)
+            output = self.target(*args, **kwargs)
+        return [t for t in _tensors(output) if t.requires_grad and t.dim() > 0]
 
     def close(self) -> None:
         for h in self.handles:
@@ -326,6 +349,32 @@ def smallest_module_holding(module: torch.nn.Module, params) -> torch.nn.Module:
         if d > depth and wanted <= {id(p) for p in m.parameters()}:
             best, depth = m, d
     return best
+
+
+def _sliced(value, chosen: np.ndarray, batch: int):
+    """(args, kwargs) with every tensor whose first dimension is the batch cut to the chosen rows; None if none is."""
+    cut = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
+            cut.append(True)
+            return v[torch.as_tensor(chosen, device=v.device)]
+        if isinstance(v, (tuple, list)):
+            return type(v)(walk(x) for x in v)
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    args, kwargs = walk(value)
+    return (args, kwargs) if cut else None
+
+
+def _same_rows(replayed: torch.Tensor, recorded: torch.Tensor) -> bool:
+    """A replay's output rows equal the recorded ones up to float rounding (relative 1e-4 of the largest)."""
+    if replayed.shape != recorded.shape:
+        return False
+    scale = float(recorded.abs().max()) if recorded.numel() else 0.0
+    return bool(torch.allclose(replayed.detach(), recorded, rtol=1e-4, atol=1e-5 * scale + 1e-12))
 
 
 def _tensors(value):
