@@ -32,11 +32,13 @@ from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
 from .accumulation_check import AccumulationLedger
 from .adaptive import mechanism_of, step_claims
-from .claims import StepClaims, normalisation_problem
+from .claims import normalisation_problem
 from .ghost import check_ghost_options, is_ghost
 from .kinds import ALL_KIND_NAMES, canary_kind_for
 from .kinds.input_probe import check_input_model
-from .options import BATCHED_CHECK_EVERY, Mechanism, check_accountant, check_claim, find_accountant, integer, validate
+from .options import (
+    BATCHED_CHECK_EVERY, check_accountant, check_claim, check_opacus_version, find_accountant, validate,
+)
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
 from .pipeline import StepPipeline
@@ -90,6 +92,12 @@ class PrivacyAuditor:
         observation_window: int = 65_536, checksum_every: int = 100, per_sample_check_every: int = DEFAULT_EVERY,
         per_sample_check_examples: int = DEFAULT_EXAMPLES,
     ):
+        import opacus
+
+        from .options import unwrapped_optimizer
+
+        optimizer = unwrapped_optimizer(optimizer)  # Lightning's LightningOptimizer (manual optimization): its optimizer
+        check_opacus_version(opacus.__version__)
         path_class = release_path_for(optimizer)
         if getattr(optimizer, "_dpaudit_auditor", None) is not None:
             raise RuntimeError("a PrivacyAuditor is already attached to this optimizer; call its detach() first")
@@ -101,6 +109,7 @@ class PrivacyAuditor:
             check_every=check_every, module=module, on_violation=on_violation, canary_inputs=canary_inputs,
             canary_labels=canary_labels, loss_fn=loss_fn, recraft_every=recraft_every, observe_steps=observe_steps,
             observation_window=observation_window, checksum_every=checksum_every,
+            per_sample_check_every=per_sample_check_every, per_sample_check_examples=per_sample_check_examples,
         )
         path_class.check_options(options)
         check_ghost_options(optimizer, options)
@@ -127,6 +136,7 @@ class PrivacyAuditor:
         self.path = path_class(optimizer, self.probe, PathSettings(
             note_problem=lambda *a: self.pipeline.note_problem(*a), sentinels=self.kind.sentinels, noise_std=sigma * C,
             layer_names=self.layer_names, checksum_every=options.checksum_every,
+            noise_seed=None if seed is None else int(np.random.default_rng([seed, 28]).integers(2**62)),
         ))
         check_every = options.check_every
         if check_every == "auto":
@@ -141,17 +151,18 @@ class PrivacyAuditor:
             self.probe.ghost.note_problem = lambda *a: self.pipeline.note_problem(*a[:2], self.pipeline.steps + 1, a[2])
         self.per_sample_check = PerSampleCheck(
             optimizer, mechanism.params, self.layer_names, self.kind.module_ref, lambda: self.pipeline.steps,
-            every=0 if not path_class.checks_per_sample else integer("per_sample_check_every", per_sample_check_every, 0),
-            examples=integer("per_sample_check_examples", per_sample_check_examples, 1), seed=seed,
+            every=per_sample_check_every if path_class.checks_per_sample else 0, examples=per_sample_check_examples,
+            seed=seed,
             ghost=is_ghost(optimizer), note_problem=lambda *a: self.pipeline.note_problem(*a),
             ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer),
+            off_reason=None if path_class.checks_per_sample else "not yet under FSDP",
         )
         self.path.verify_start(options.canaries_per_step, seed)
         self.path.attach(lambda: self.per_sample_check.around(self.pipeline.steps, self.pipeline.audited_step))
         optimizer._dpaudit_auditor = self
-        self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
         # what the claim does not cover, stated beside the result (not a leak beyond the claim's own terms)
         self.notes = [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
+        self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
 
     def detach(self) -> None:
         """Restore the optimizer exactly as it was before the auditor attached."""
@@ -259,7 +270,8 @@ class PrivacyAuditor:
         else:
             self.pipeline.record_pending()
         result = self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
-        return replace(result, audit_failed=self.record.failed) if self.record.failed else result
+        return replace(result, audit_failed=self.record.failed, data_path=self.per_sample_check.status(self.steps),
+                       notes=tuple(f"{code}: {message}" for code, message in self.notes))
 
     def _evidence(self, anytime: dict):
         return self.results.evidence(self.record, self.layer_names, anytime)
@@ -290,3 +302,10 @@ class PrivacyAuditor:
         self.record.load_state_dict(state)
         self.pipeline.steps = int(state["steps"])
         self._claim_changed(self.pipeline.claims.mechanism)  # the steps from here claim what the optimizer holds now
+
+    # ------------------------------------------------------------------ summary
+
+    def summary(self) -> str:
+        """The audit so far as the summary table `dpaudit report` prints (`str(self.result())`):
+        "OK: ..." or "VIOLATION: ...", findings, both epsilons, the mu rows, one row per tensor."""
+        return str(self.result())

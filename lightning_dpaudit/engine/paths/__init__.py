@@ -29,7 +29,6 @@ def release_path_for(optimizer) -> type:
             f"PrivacyAuditor needs an Opacus DPOptimizer, got {type(optimizer).__name__}: pass the optimizer "
             "returned by `PrivacyEngine.make_private(...)`"
         )
-    name = type(optimizer).__name__
     dist.check_supported(optimizer)
     families = {c.__name__ for c in type(optimizer).__mro__}
     if "FSDPOptimizerFastGradientClipping" in families:

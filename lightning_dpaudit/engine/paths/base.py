@@ -120,7 +120,7 @@ class AuditNoise:
         self.seed = seed
         self.generators: dict = {}
 
-    def generator(self, device) -> "torch.Generator":
+    def generator(self, device):
         import torch
 
         key = str(device)
