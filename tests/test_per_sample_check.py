@@ -266,7 +266,7 @@ def test_an_accountant_that_forgets_steps_is_named():
             if step == 1:
                 accountant.get_epsilon(1e-5)  # a running epsilon, as a training loop logs it
     message = next(m for code, m, _ in auditor.problems if code == "claim_unaccounted")
-    assert "composed 1 step(s) and now 0" in message and "too low" in message
+    assert "composes 0 step(s) where 2 were released" in message and "too low" in message
 
 
 @pytest.mark.parametrize("version,refused", [("1.5.4", True), ("1.5.2", True), ("1.4.1", True), ("1.6.0", False),

@@ -41,13 +41,15 @@ class StepClaims:
         self._read = claim_of(optimizer)
         self._stepped = False  # a step ran since attach: self.mechanism is the claim it used
         self._accounted = self._last_entry()
-        self._composed = composed_steps(accountant)  # the most steps the accountant's history has held
+        self._baseline = None  # composed steps minus audited steps, read at the first audited step
 
     def before_step(self, step: int) -> Mechanism:
         """The mechanism this step claims; calls on_change first when it differs from the last step's."""
         if self._stepped:
             self._check_history(step)
             self._check_accountant(step)
+        elif self.accountant is not None:
+            self._baseline = composed_steps(self.accountant) - step
         self._stepped = True
         now = claim_of(self.optimizer)
         if now != self._read:
@@ -71,15 +73,18 @@ class StepClaims:
         return (len(history), tuple(history[-1])) if history else (0, None)
 
     def _check_history(self, step: int) -> None:
-        """The accountant's history never loses steps: fewer composed steps than before is a certainty."""
-        now = composed_steps(self.accountant)
-        if now < self._composed:
+        """Every step released since the first audited one is composed: the accountant's history holds
+        at least (its steps then) + (steps since). Fewer is a certainty: steps the epsilon leaves out."""
+        if self._baseline is None:
+            return
+        now, expected = composed_steps(self.accountant), self._baseline + step
+        if now < expected:
             self.note_problem("claim_unaccounted", (
-                f"the accountant's history composed {self._composed} step(s) and now {now}: steps it had composed were "
-                "removed (an accountant whose get_epsilon consumes its history counts only the steps since the last "
-                "query), so its epsilon is too low. Fix: an accountant that keeps every step (Opacus >= 1.4)"
+                f"the accountant's history composes {now} step(s) where {expected} were released: steps it had "
+                "composed were removed (an accountant whose get_epsilon consumes its history counts only the steps "
+                "since the last query) or never recorded, so its epsilon is too low. Fix: an accountant stepped by "
+                "the optimizer's hook that keeps every step (Opacus >= 1.4)"
             ), step)
-        self._composed = max(self._composed, now)
 
     def _check_accountant(self, step: int) -> None:
         """The accountant's last entry, if it recorded the previous step, must carry that step's noise multiplier."""
