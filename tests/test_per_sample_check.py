@@ -186,17 +186,22 @@ def test_options_are_checked_and_zero_turns_the_check_off():
 # ------------------------------------------------------------------ physical batches and Lightning
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
-def test_physical_batches_are_checked_against_the_last_one(mode):
+def train_in_physical_batches(module, optimizer, criterion, loader) -> PrivacyAuditor:
+    """One epoch in physical batches of 8 (BatchMemoryManager), exact checks at every step."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    module, optimizer, criterion, loader = setup(mode, every=1)
     auditor = PrivacyAuditor(optimizer, seed=3, per_sample_check_every=1)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=optimizer) as physical:
         for x, y in physical:
             optimizer.zero_grad()
             criterion(module(x), y).backward()
             optimizer.step()
+    return auditor
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_physical_batches_are_checked_against_the_last_one(mode):
+    auditor = train_in_physical_batches(*setup(mode))
     assert auditor.steps == 3 and auditor.per_sample_check.checked == 2
     assert auditor.per_sample_check.skipped is None
     assert not [code for code, *_ in auditor.problems if code in ("per_sample_gradients", "clipped_sum")]
@@ -232,18 +237,10 @@ def test_lightning_run_with_a_wrong_conv_sampler_is_flagged(tmp_path, monkeypatc
 
 
 def test_a_physical_batch_counted_twice_is_named():
-    from opacus.utils.batch_memory_manager import BatchMemoryManager
-
     from lightning_dpaudit.integrations.opacus_history import historical_bug
 
     with historical_bug("opacus-accumulation-1.5.3").patch():
-        module, optimizer, criterion, loader = setup("ghost")
-        auditor = PrivacyAuditor(optimizer, seed=3, per_sample_check_every=1)
-        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=optimizer) as physical:
-            for x, y in physical:
-                optimizer.zero_grad()
-                criterion(module(x), y).backward()
-                optimizer.step()
+        auditor = train_in_physical_batches(*setup("ghost"))
     message = next(m for code, m, _ in auditor.problems if code == "clipped_sum")
     assert "4 physical batch(es)" in message and "each batch's clipped sum" in message and "counted twice" in message
     assert auditor.result().violation
