@@ -109,9 +109,9 @@ def test_report_command_prints_findings_and_reads_older_reports(tmp_path, capsys
     report = json.loads((old / "audit_report.json").read_text())
     del report["result"]["findings"]  # as written before findings existed
     (old / "audit_report.json").write_text(json.dumps(report))
-    assert main(["report", str(new)]) == 0
+    assert main(["report", str(new)]) == 3  # a violation: the exit status a CI gate reads
     assert "  - noise_scale: noise std 0.0165 x claimed" in capsys.readouterr().out
-    assert main(["report", str(old)]) == 0
+    assert main(["report", str(old)]) == 3
     out = capsys.readouterr().out
     assert "VIOLATION" in out and "noise_scale" not in out
 

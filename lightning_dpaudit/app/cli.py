@@ -1,4 +1,8 @@
-"""The `dpaudit` command: `dpaudit demo` trains and audits; `dpaudit report DIR` summarizes."""
+"""The `dpaudit` command: `dpaudit demo` trains and audits; `dpaudit report DIR` summarizes.
+
+`dpaudit report` exits with 0 when the report is OK, VIOLATION_EXIT (3) when it records a
+violation, 1 when there is no report or it is damaged, and 2 for a bad argument: a CI gate.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Optional
 GRADIENT_CANARIES = ("dirac", "constant", "random")
 INPUT_CANARIES = ("mislabeled", "blank", "adversarial", "crafted")
 FINAL_MODEL_CANARIES = ("ood", "mislabeled", "blank", "crafted")  # final_model.FINAL_MODEL_KINDS
+VIOLATION_EXIT = 3  # `dpaudit report` on a report that records a violation
 
 
 def _demo(args) -> int:
@@ -82,7 +87,7 @@ def _report(args) -> int:
         return 1
     print(f"audit report in {latest}")
     print(summary_table(report))
-    return 0
+    return VIOLATION_EXIT if report["result"]["violation"] else 0
 
 
 def _at_least(minimum: int, maximum: Optional[int] = None, why: str = ""):
@@ -180,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         "shares the cores",
     )
     demo.set_defaults(run=_demo, check=_check_demo_flags, parser=demo)
-    report = commands.add_parser("report", help="print the summary of a finished audit")
+    report = commands.add_parser(
+        "report", help="print the summary of a finished audit; exit status 0 if OK, 3 on a violation, 1 if damaged",
+        description="Print the summary of the most recent audit report at or below DIRECTORY. Exit status: 0 when "
+        "the audit is OK, 3 when it records a violation, 1 when there is no report or it is damaged, 2 for a bad argument.",
+    )
     report.add_argument("directory", help="a run's log directory (or a folder above it)")
     report.set_defaults(run=_report)
     return parser
