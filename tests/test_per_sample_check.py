@@ -77,7 +77,7 @@ def train(module, optimizer, criterion, loader, steps: int, auditor_kwargs=None)
     return auditor
 
 
-MODES = [("hooks", False), ("hooks", True), ("functorch", True), ("ghost", False), ("ghost", True)]
+MODES = [("hooks", False), ("hooks", True), ("functorch", True), ("ew", True), ("ghost", False), ("ghost", True)]
 
 
 @pytest.mark.parametrize("mode,sequence", MODES)
