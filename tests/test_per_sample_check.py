@@ -297,3 +297,29 @@ def test_a_deterministic_model_replays_the_chosen_examples_alone_and_still_sees_
     broken = train(*setup(mode, dropout=0.0), steps=3, auditor_kwargs={})
     assert broken.per_sample_check.replays["examples"] == 1
     assert [code for code, *_ in broken.problems] == ["per_sample_gradients"]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_mixed_precision_is_replayed_under_its_autocast_and_judged_at_its_precision(mode, monkeypatch):
+    """bf16 autocast: per-sample values agree with autograd to about 1e-2, not 1e-6; the check replays
+    under the same autocast and allows 4 bf16 unit roundoffs. A bias norm at 4% of the truth still fails."""
+
+    def run(steps):
+        module, optimizer, criterion, loader = setup(mode, dropout=0.0)
+        auditor = PrivacyAuditor(optimizer, seed=3, per_sample_check_every=1)
+        for _, (x, y) in zip(range(steps), loader):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = module(x)
+            criterion(out.float(), y).backward()
+            optimizer.step()
+        return auditor
+
+    quiet = run(3)
+    assert quiet.problems == [] and quiet.per_sample_check.checked == 2
+    assert quiet.per_sample_check.eps == float(torch.finfo(torch.bfloat16).eps)
+    samplers = dict(GradSampleModuleFastGradientClipping.NORM_SAMPLERS if mode == "ghost" else GradSampleModule.GRAD_SAMPLERS)
+    samplers[nn.Linear] = _scaled(samplers[nn.Linear], "bias", 0.04, only_sequences=True)
+    owner = GradSampleModuleFastGradientClipping if mode == "ghost" else GradSampleModule
+    monkeypatch.setattr(owner, "NORM_SAMPLERS" if mode == "ghost" else "GRAD_SAMPLERS", samplers)
+    assert [code for code, *_ in run(2).problems] == ["per_sample_gradients"]

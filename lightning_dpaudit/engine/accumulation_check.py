@@ -27,19 +27,22 @@ class AccumulationLedger:
         self.optimizer, self.probe, self.ghost, self.per_layer = optimizer, probe, ghost, per_layer
         self.total: Optional[torch.Tensor] = None
         self.batches = 0
+        self.eps = 0.0  # unit roundoff of the lowest precision the batches' per-sample values were held in
 
     def add(self) -> None:
         """One physical batch, before the optimizer accumulates it."""
         params = self.probe.params
         if self.ghost:
-            part = self.probe.gather([torch.zeros_like(p) if p.grad is None else p.grad for p in params])
+            held = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            part = self.probe.gather(held)
         else:
-            part = self._clipped_sum_at_pool(params)
+            held = [torch.cat(p.grad_sample) if isinstance(p.grad_sample, list) else p.grad_sample for p in params]
+            part = self._clipped_sum_at_pool(held)
+        self.eps = max([self.eps] + [float(torch.finfo(t.dtype).eps) for t in held if t.dtype.is_floating_point])
         self.total = part if self.total is None else self.total + part
         self.batches += 1
 
-    def _clipped_sum_at_pool(self, params) -> torch.Tensor:
-        samples = [torch.cat(p.grad_sample) if isinstance(p.grad_sample, list) else p.grad_sample for p in params]
+    def _clipped_sum_at_pool(self, samples) -> torch.Tensor:
         flat = [s.reshape(s.shape[0], -1) for s in samples]
         squares = torch.stack([f.double().pow(2).sum(dim=1) for f in flat])  # (tensors, batch)
         if self.per_layer:  # DPPerLayerOptimizer: each tensor clipped to its own bound
@@ -50,17 +53,20 @@ class AccumulationLedger:
             factors = (C / (squares.sum(dim=0).sqrt() + 1e-6)).clamp(max=1.0).expand_as(squares)
         return torch.cat([f[:, idx].double().T @ c for f, idx, c in zip(flat, self.probe.pool_local, factors)])
 
-    def problem(self) -> Optional[str]:
-        """At the noised step: summed_grad against the ledger; the ledger starts over."""
-        total, batches = self.total, self.batches
-        self.total, self.batches = None, 0
+    def problem(self, eps: float = 0.0) -> Optional[str]:
+        """At the noised step: summed_grad against the ledger; the ledger starts over.
+
+        Tolerance: relative 1e-3, or 4 unit roundoffs of the lowest precision the batches were
+        computed in (`eps` from the forward pass, or the per-sample gradients' own dtype)."""
+        total, batches, low = self.total, self.batches, max(self.eps, eps)
+        self.total, self.batches, self.eps = None, 0, 0.0
         if total is None:
             return None
         held = self.probe.gather([torch.zeros_like(p) if p.summed_grad is None else p.summed_grad
                                   for p in self.probe.params])
         gap = float((held - total).norm())
         scale = max(float(held.norm()), float(total.norm()))
-        if gap <= RTOL * scale + 1e-5 * float(self.optimizer.max_grad_norm):
+        if gap <= max(RTOL, 4 * low) * scale + 1e-5 * float(self.optimizer.max_grad_norm):
             return None
         source = "each batch's clipped sum" if self.ghost else "each example's gradient clipped to C"
         return (f"the optimizer's clipped and accumulated sum over {batches} physical batch(es) differs from the sum "

@@ -18,13 +18,15 @@ and compares, for every tensor p the optimizer trains,
                        the module's clipping coefficient             with min(1, C / (||expected_i|| + 1e-6))
 
 A difference beyond floating-point tolerance (relative 1e-3, plus 1e-4 of the example's
-whole gradient norm) is a certainty, not a statistic: finding `per_sample_gradients`. So
+whole gradient norm; in mixed precision, 4 and 1 unit roundoffs of the lowest precision
+involved; the replay runs under the forward's own autocast) is a certainty, not a statistic: finding `per_sample_gradients`. So
 is a tensor that autograd gives a gradient and Opacus no per-sample gradient or norm.
 The replay restores the RNG state and the module's buffers: training is unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -32,8 +34,9 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-RTOL = 1e-3  # relative to the larger of the two norms
-ATOL = 1e-4  # relative to the example's whole gradient norm
+RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
+ATOL = 1e-4  # relative to the example's whole gradient norm (one unit roundoff, if larger)
+EPS32 = float(torch.finfo(torch.float32).eps)
 DEFAULT_EVERY = 100
 DEFAULT_EXAMPLES = 2
 CODE = "per_sample_gradients"
@@ -52,6 +55,7 @@ class _Call:
     grads: dict = field(default_factory=dict)  # output leaf index -> gradient rows of the chosen examples
     backward: Optional[int] = None  # the backward pass that brought them
     outputs: dict = field(default_factory=dict)  # output leaf index -> the chosen examples' rows of the output
+    autocast: list = field(default_factory=list)  # (device type, dtype) of the autocast regions the forward ran in
 
 
 class PerSampleCheck:
@@ -75,6 +79,7 @@ class PerSampleCheck:
         self.calls: List[_Call] = []
         self.replaying = False  # True while the check itself runs the model (nothing is captured then)
         self.checked = 0  # steps whose examples were compared
+        self.eps = EPS32  # the unit roundoff of the lowest precision the last checked step computed in
         self.replays = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
         self.skipped: Optional[str] = None  # why the last due step could not be compared
         self.failed: Optional[str] = None
@@ -140,7 +145,8 @@ class PerSampleCheck:
             return None
         devices = sorted({t.device.index for t in _tensors((args, kwargs)) if t.device.type == "cuda"})
         cuda_states = [(d, torch.cuda.get_rng_state(d)) for d in devices]
-        self.calls.append(_Call(args, kwargs, torch.get_rng_state(), cuda_states))
+        autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        self.calls.append(_Call(args, kwargs, torch.get_rng_state(), cuda_states, autocast=autocast))
         return None
 
     def _after_forward(self, module, args, kwargs, output):
@@ -172,7 +178,7 @@ class PerSampleCheck:
             self.calls = []
             if calls:
                 self._compare(calls, step)
-            problem = None if self.ledger is None else self.ledger.problem()
+            problem = None if self.ledger is None else self.ledger.problem(self.eps)
             if problem is not None:
                 self.note_problem("clipped_sum", f"{problem} (step {step})", step)
         except Exception as error:  # the check's own failure never ends training
@@ -194,12 +200,14 @@ class PerSampleCheck:
         expected = self._autograd(call)
         gsm = self.module()
         C = float(self.optimizer.max_grad_norm)
+        self.eps = precision([*call.outputs.values(), *held], [dtype for _, dtype in call.autocast])
+        rtol = max(RTOL, 4 * self.eps)
         for position, i in enumerate(call.chosen):
             grads = expected[position]
             total = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
-            problem = self._tensor_problems(held, position, int(i), grads, total)
+            problem = self._tensor_problems(held, int(i), grads, total, rtol)
             if problem is None and self.ghost:
-                problem = self._coefficient_problem(gsm, int(i), total, C)
+                problem = self._coefficient_problem(gsm, int(i), total, C, rtol)
             if problem is not None:
                 self.note_problem(CODE, f"{problem} at step {step} (example {int(i)} of the batch)", step)
                 return
@@ -227,8 +235,8 @@ class PerSampleCheck:
             held.append(samples)
         return held
 
-    def _tensor_problems(self, held, position: int, i: int, grads, total: float) -> Optional[str]:
-        atol = ATOL * total + 1e-12
+    def _tensor_problems(self, held, i: int, grads, total: float, rtol: float) -> Optional[str]:
+        atol = max(ATOL, self.eps) * total + 1e-12
         for name, p, opacus, exact in zip(self.names, self.params, held, grads):
             exact_norm = 0.0 if exact is None else float(exact.double().norm())
             if opacus is None:
@@ -245,19 +253,19 @@ class PerSampleCheck:
                 opacus_norm = float(row.norm())
                 gap = float((row - (0 if exact is None else exact.double().reshape(row.shape))).norm())
                 what = "per-sample gradient"
-            if gap > RTOL * max(opacus_norm, exact_norm) + atol:
+            if gap > rtol * max(opacus_norm, exact_norm) + atol:
                 return (f"Opacus's {what} of `{name}` has norm {opacus_norm:.6g}, plain autograd on the example "
                         f"alone gives {exact_norm:.6g} (difference {gap:.3g})")
         return None
 
-    def _coefficient_problem(self, gsm, i: int, total: float, C: float) -> Optional[str]:
+    def _coefficient_problem(self, gsm, i: int, total: float, C: float, rtol: float) -> Optional[str]:
         saved = gsm._per_sample_gradient_norms
         try:
             coef = float(gsm.get_clipping_coef()[i])
         finally:
             gsm._per_sample_gradient_norms = saved
         exact = min(1.0, C / (total + 1e-6))
-        if abs(coef - exact) > RTOL * max(coef, exact) + 1e-6:
+        if abs(coef - exact) > rtol * max(coef, exact) + 1e-6:
             leaks = "leaks: the contribution can exceed C" if coef > exact else "clips harder than claimed"
             return (f"the module's clipping coefficient is {coef:.6g} where min(1, C / norm) with the optimizer's "
                     f"C = {C:g} and the example's gradient norm {total:.6g} gives {exact:.6g} ({leaks})")
@@ -308,7 +316,11 @@ class PerSampleCheck:
 
     def _forward(self, call: _Call, args, kwargs) -> list:
         """The target's forward pass from the call's RNG state (torch's own state restored after)."""
-        with torch.random.fork_rng(devices=[d for d, _ in call.cuda_states]), torch.enable_grad():
+        with contextlib.ExitStack() as regions:
+            regions.enter_context(torch.random.fork_rng(devices=[d for d, _ in call.cuda_states]))
+            regions.enter_context(torch.enable_grad())
+            for device_type, dtype in call.autocast:  # the forward's own mixed precision
+                regions.enter_context(torch.autocast(device_type, dtype=dtype))
             torch.set_rng_state(call.rng_state)
             for d, state in call.cuda_states:
                 torch.cuda.set_rng_state(state, d)
@@ -349,6 +361,13 @@ def smallest_module_holding(module: torch.nn.Module, params) -> torch.nn.Module:
         if d > depth and wanted <= {id(p) for p in m.parameters()}:
             best, depth = m, d
     return best
+
+
+def precision(tensors, dtypes=()) -> float:
+    """The unit roundoff of the lowest floating precision among these tensors and dtypes (float32's at least):
+    mixed precision (bf16 autocast) computes per-sample gradients to about 1e-2, not 1e-6."""
+    found = [t.dtype for t in tensors if t is not None] + list(dtypes)
+    return max([EPS32] + [float(torch.finfo(d).eps) for d in found if d.is_floating_point])
 
 
 def _sliced(value, chosen: np.ndarray, batch: int):
