@@ -13,14 +13,15 @@ batch the model saw before the step (the auditor's own generator chooses them):
 
 and compares, for every tensor p the optimizer trains,
 
-    hooks, functorch:  the row of p.grad_sample for example i       with expected_i[p]
-    ghost clipping:    p._norm_sample[i], the module's norm          with ||expected_i[p]||
-                       the module's clipping coefficient             with min(1, C / (||expected_i|| + 1e-6))
+    hooks, functorch, ew:  the row of p.grad_sample for example i   with expected_i[p]
+    ghost clipping:        p._norm_sample[i], the module's norm      with ||expected_i[p]||
+                           the module's clipping coefficient         with min(1, C / (||expected_i|| + 1e-6))
 
-A difference beyond floating-point tolerance (relative 1e-3, plus 1e-4 of the example's
-whole gradient norm; in mixed precision, 4 and 1 unit roundoffs of the lowest precision
-involved; the replay runs under the forward's own autocast) is a certainty, not a statistic: finding `per_sample_gradients`. So
-is a tensor that autograd gives a gradient and Opacus no per-sample gradient or norm.
+A difference beyond floating-point tolerance is a certainty, not a statistic: finding
+`per_sample_gradients`. So is a tensor that autograd gives a gradient and Opacus no
+per-sample gradient or norm. Tolerance: relative 1e-3, plus 1e-4 of the example's whole
+gradient norm; in mixed precision 4 and 1 unit roundoffs of the lowest precision involved
+(the replay runs under the forward's own autocast).
 The replay restores the RNG state and the module's buffers: training is unchanged.
 """
 
