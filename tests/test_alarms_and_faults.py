@@ -45,13 +45,13 @@ def test_a_violation_after_the_last_check_alerts_at_the_end_of_fit(tmp_path, ale
     callback = DPAuditCallback(alert=seen.append if alert == "callable" else alert, seed=0)  # checks every 8 steps
     fit = lambda: _fit(tmp_path, steps=7, callback=callback, module=Private(bug="no-noise"))  # noqa: E731
     if alert == "raise":
-        with pytest.raises(PrivacyViolationError, match="DP audit violation at step"):
+        with pytest.raises(PrivacyViolationError, match="DP AUDIT VIOLATION at step"):
             fit()
         assert not hasattr(callback.auditor.optimizer, "_dpaudit_auditor")  # left as it was
     elif alert == "warn":
-        with pytest.warns(UserWarning, match="DP audit violation") as record:
+        with pytest.warns(UserWarning, match="DP AUDIT VIOLATION") as record:
             fit()
-        assert sum("DP audit violation" in str(w.message) for w in record) == 1
+        assert sum("DP AUDIT VIOLATION" in str(w.message) for w in record) == 1
     else:
         fit()
     assert callback.alerted and len(seen) == (alert == "callable")

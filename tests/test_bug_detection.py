@@ -89,7 +89,7 @@ def test_correlated_noise_is_flagged_with_its_lag_and_correlation(options, withi
     assert "noise momentum" in finding.message and "fix: draw every step's noise fresh" in finding.message
     from lightning_dpaudit.analysis.results import violation_message
 
-    assert violation_message(result).startswith(f"DP audit violation at step {step}: the noise of step {step} is "
+    assert violation_message(result).startswith(f"DP AUDIT VIOLATION at step {step}: noise_correlated: the noise of step {step} is "
                                                 f"correlated with step {step - lag}'s, {lag} step")
 
 

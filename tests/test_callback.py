@@ -150,9 +150,9 @@ def test_make_private_before_the_trainer(tmp_path):
 
 
 def test_warn_alert_fires_once(tmp_path):
-    with pytest.warns(UserWarning, match="DP audit violation") as record:
+    with pytest.warns(UserWarning, match="DP AUDIT VIOLATION") as record:
         _fit(tmp_path, steps=40, callback=DPAuditCallback(seed=0, report=False), module=Private(bug="no-noise"))
-    assert sum("DP audit violation" in str(w.message) for w in record) == 1
+    assert sum("DP AUDIT VIOLATION" in str(w.message) for w in record) == 1
 
 
 def test_raise_alert(tmp_path):

@@ -79,7 +79,7 @@ def test_demo_plan_defaults_and_held_out_canaries():
 
 
 def test_demo_with_a_bug_shows_the_alert(tmp_path, capsys):
-    with pytest.warns(UserWarning, match="DP audit violation"):
+    with pytest.warns(UserWarning, match="DP AUDIT VIOLATION"):
         assert main(["demo", "--steps", "30", "--bug", "no-noise", "--out", str(tmp_path), "--no-progress-bar"]) == 0
     out = capsys.readouterr().out
     assert "VIOLATION" in out and "the audit found a leak" in out

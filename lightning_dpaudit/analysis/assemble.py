@@ -5,6 +5,8 @@ Per group (pooled, each tensor) the threshold-0.5 attack's counts (tp, fn, fp, t
 fixed-sample mu lower bound (the chosen estimator) and the monitor's anytime-valid one.
 The end-to-end lower bound composes sigma_emp = 1 / mu_lower over the accountant's own
 history with the accountant's own method (Tight Auditing 5.5; estimators.live_epsilon).
+The accountant's epsilon is the accountant's own `get_epsilon(delta)` (asked of a copy, so that
+an accountant whose query changes its state is left as it was).
 When the claim changed during the run, the pooled bounds become a certified ratio of
 actual to claimed mu (estimators.changing_claims), shown in the current claim's units,
 and every step of the history is composed at sigma_t / ratio.
@@ -12,6 +14,7 @@ and every step of the history is composed at sigma_t / ratio.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -59,6 +62,7 @@ class ResultAssembler:
     def __init__(self, claim: Claim):
         self.claim = claim
         self._live: Optional[LiveEpsilon] = None
+        self._asked: Optional[tuple] = None  # (the accountant's class, history, delta), its epsilon
 
     def result(self, record: AuditRecord, layer_names: Sequence[str], steps: int, accountant, *, accounting: bool = True) -> AuditResult:
         claim, monitor = self.claim, record.monitor
@@ -170,7 +174,31 @@ class ResultAssembler:
         history = accountant.history
         lower = (self._live.lower_bound_epsilon(mu_step, history) if ratio is None
                  else self._live.lower_bound_epsilon_scaled(ratio, history))
-        return self._live.accountant_epsilon(history), lower
+        return self.accountant_epsilon(accountant), lower
+
+    def accountant_epsilon(self, accountant) -> float:
+        """What `accountant.get_epsilon(delta)` returns now, exactly.
+
+        Opacus's RDP and Gaussian accountants are computed by LiveEpsilon (the same numbers, RDP in identical
+        floating point, from curves cached between calls); any other accountant (PRV, whose LiveEpsilon value
+        rounds the steps up to a grid, a subclass, a patched get_epsilon) is asked itself, on a shallow copy
+        with its own copy of the history, and the answer kept until the history changes.
+        """
+        kind, delta = accountant.mechanism(), self.claim.delta
+        method = getattr(type(accountant), "get_epsilon", None)
+        if kind in ("rdp", "gdp") and getattr(method, "__module__", None) == f"opacus.accountants.{kind}":
+            return self._live.accountant_epsilon(accountant.history)
+        key = (type(accountant), tuple(tuple(entry) for entry in accountant.history), delta)
+        if self._asked is not None and self._asked[0] == key:
+            return self._asked[1]
+        try:
+            asked = copy.copy(accountant)
+            asked.history = list(accountant.history)
+            epsilon = float(asked.get_epsilon(delta=delta))
+        except Exception:  # an accountant that cannot be copied or asked: Opacus's computation for its kind
+            return self._live.accountant_epsilon(accountant.history)
+        self._asked = (key, epsilon)
+        return epsilon
 
 
 def claim_ratio(mu_lower: float, monitor, group: int) -> float:

@@ -130,11 +130,22 @@ def tradeoff_figure(
     fig, ax = _new_axes(ax)
     fpr, fnr = _tradeoff_points(in_values, out_values, histogram)
     grid = np.linspace(0.0, 1.0, 501)
+    # distinct colours, line styles and markers (at different points): curves that coincide stay told apart
     ax.plot([0, 1], [1, 0], color="0.75", lw=0.8, ls=":", label="random guess")
-    ax.plot(fpr, fnr, color="C0", lw=1.8, label="empirical (threshold attack)")
-    ax.plot(grid, gdp_fnr(grid, mu_claimed), color="C3", lw=1.5, ls="--", label=f"claimed GDP, μ = {mu_claimed:.3g}")
+    # clip_on=False: a curve along an axis (a leak that separates in from out) is drawn over the frame, not under it
+    ax.plot(fpr, fnr, color="C0", lw=2.4, marker="o", ms=4, markevery=_marks(len(fpr), 9), zorder=3, clip_on=False,
+            label="empirical (threshold attack)")
+    ax.plot(grid, gdp_fnr(grid, mu_claimed), color="C3", lw=1.5, ls="--", marker="s", ms=4, markevery=(25, 50), zorder=4,
+            clip_on=False, label=f"claimed GDP, μ = {mu_claimed:.3g}")
     if mu_lower is not None and np.isfinite(mu_lower):
-        ax.plot(grid, gdp_fnr(grid, mu_lower), color="C2", lw=1.5, ls="-.", label=f"lower-bound GDP, μ = {mu_lower:.3g}")
+        ax.plot(grid, gdp_fnr(grid, mu_lower), color="C2", lw=1.5, ls="-.", marker="^", ms=4, markevery=(0, 50), zorder=5,
+                clip_on=False, label=f"lower-bound GDP, μ = {mu_lower:.3g}")
+    if _area(fpr, fnr) < 0.02:  # the empirical curve runs along the axes: say so, it is easy to miss there
+        ax.annotate(
+            "empirical curve along the axes:\nthe attack tells in- from out-canaries\nalmost without error",
+            xy=(0.0, 0.0), xytext=(0.12, 0.22), fontsize=8, color="C0",
+            arrowprops={"arrowstyle": "->", "color": "C0"}, bbox={"boxstyle": "round", "fc": "white", "ec": "C0"},
+        )
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_aspect("equal")
@@ -146,43 +157,103 @@ def tradeoff_figure(
     return fig
 
 
+def _area(fpr, fnr) -> float:
+    """The area under the trade-off curve (FPR increasing): near 0 for an attack that makes almost no error."""
+    x, y = np.asarray(fpr, dtype=float), np.asarray(fnr, dtype=float)
+    return float(np.sum(np.diff(x) * (y[1:] + y[:-1]) / 2))
+
+
+def _marks(points: int, count: int):
+    """markevery for about `count` markers along a line of `points` points."""
+    return max(1, points // count)
+
+
+LOG_SCALE_RATIO = 20.0  # a lower bound this many times the accountant's epsilon puts the epsilon axis on a log scale
+
+
 def curves_figure(history, ax=None):
-    """Draw the running epsilon lower bound and the accountant's epsilon against optimizer step."""
+    """Draw the running epsilon lower bound and the accountant's epsilon against optimizer step.
+
+    Where the lower bound reaches LOG_SCALE_RATIO x the accountant's epsilon (a broken run: often
+    1,000x), the epsilon axis is logarithmic so that the accountant's line does not flatten onto zero;
+    an infinite lower bound is named in the legend.
+    """
     fig, ax = _new_axes(ax)
     hist = list(history or [])
 
     def column(key):
         vals = np.array([_num(h.get(key)) for h in hist], dtype=float)
+        infinite = bool(np.any(np.isposinf(vals)))
         vals[~np.isfinite(vals)] = np.nan
-        return vals
+        return vals, infinite
 
-    steps = column("step")
-    ax.plot(steps, column("eps_lower_bound"), color="C0", marker=".", ms=3, lw=1.6, label="empirical lower bound")
-    ax.plot(steps, column("eps_accountant"), color="C3", ls="--", lw=1.6, label="accountant")
+    steps, _ = column("step")
+    lower, lower_inf = column("eps_lower_bound")
+    accountant, _ = column("eps_accountant")
+    ax.plot(steps, lower, color="C0", marker="o", ms=3.5, lw=1.8, label="empirical lower bound")
+    ax.plot(steps, accountant, color="C3", ls="--", marker="s", ms=3.5, markevery=_marks(len(steps), 12), lw=1.6,
+            label="accountant")
+    if lower_inf:
+        ax.plot([], [], ls="none", label="lower bound = inf at some steps (not drawn)")
+    top_lower, top_accountant = _top(lower), _top(accountant)
+    logarithmic = top_lower > 0 and top_accountant > 0 and top_lower >= LOG_SCALE_RATIO * top_accountant
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("epsilon")
+    ax.set_ylabel("epsilon (log scale)" if logarithmic else "epsilon")
     ax.set_title("Running epsilon")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
+    if logarithmic:  # steps where an epsilon is 0 are not drawn on a log axis
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3, which="both" if logarithmic else "major")
     ax.legend(loc="best", fontsize=8, framealpha=0.9)
     return fig
 
 
+def _top(values) -> float:
+    finite = np.asarray(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    return float(finite.max()) if finite.size else 0.0
+
+
+def verdict_title(result) -> str:
+    """The figure's title: the verdict, then both epsilons at delta ("VIOLATION: epsilon >= 12.3 (empirical lower
+    bound) vs 2.1 (accountant) at delta = 1e-05"). `result` is an AuditResult or its dict."""
+    r = result.to_dict() if hasattr(result, "to_dict") else dict(result.get("result", result))
+    verdict = "VIOLATION" if r.get("violation") else "OK"
+    first = r.get("first_violation_step")
+    where = f" at step {first}" if verdict == "VIOLATION" and first is not None else ""
+    return (
+        f"{verdict}{where}: epsilon >= {_short(r.get('epsilon_lower_bound'))} (empirical lower bound) vs "
+        f"{_short(r.get('epsilon_accountant'))} (accountant) at delta = {_num(r.get('delta')):g}"
+    )
+
+
+def _short(x) -> str:
+    """3 significant digits, whole numbers from 1,000 up; "n/a" for a missing number, "inf" for an infinite one."""
+    x = _num(x)
+    return "n/a" if math.isnan(x) else "inf" if math.isinf(x) else f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
 def report_figure(
     in_values=None, out_values=None, history=None, *, mu_claimed: float, mu_lower: Optional[float] = None, histogram=None,
-    final_model: Optional[dict] = None,
+    final_model: Optional[dict] = None, result=None,
 ):
     """Panels side by side: the trade-off, the running epsilon curves and, with a final-model
     audit (its to_dict()), the trained model's scores of included and excluded canaries.
 
     The trade-off comes from the raw observations or from `histogram` (see tradeoff_figure).
+    With `result` (an AuditResult or its dict) the title gives the verdict, OK or VIOLATION (red),
+    both epsilons and delta (verdict_title).
     """
-    fig = _figure((16.5 if final_model else 11.5, 5.0))
+    fig = _figure((16.5 if final_model else 11.5, 5.4 if result is not None else 5.0))
     axes = fig.subplots(1, 3 if final_model else 2)
     tradeoff_figure(in_values, out_values, mu_claimed=mu_claimed, mu_lower=mu_lower, ax=axes[0], histogram=histogram)
     curves_figure(history, ax=axes[1])
     if final_model:
         histogram_panel(final_model, axes[2])
+    if result is not None:
+        title = verdict_title(result)
+        fig.suptitle(title, fontsize=13, fontweight="bold", color="C3" if title.startswith("VIOLATION") else "C2")
     fig.tight_layout()
     return fig
 
@@ -236,7 +307,7 @@ def write_report(
     json_path.write_text(json.dumps(_jsonable(record), indent=2, allow_nan=False) + "\n")
     fig = report_figure(
         in_values, out_values, history, mu_claimed=result.mu_claimed, mu_lower=result.mu_lower_bound, histogram=histogram,
-        final_model=final_model,
+        final_model=final_model, result=result,
     )
     fig.savefig(png_path, dpi=110)
     return json_path, png_path
@@ -310,8 +381,7 @@ def summary_table(report: dict) -> str:
     if r.get("violation"):
         first = r.get("first_violation_step")
         where = f"; first at step {first}" if first is not None else ""
-        names = ", ".join(bad) if bad else "unknown"
-        verdict = f"VIOLATION: leak beyond the claim in {len(bad)} layer{'s' * (len(bad) != 1)} ({names}){where}"
+        verdict = f"VIOLATION: leak beyond the claim {_violating(bad)}{where}"
     else:
         verdict = "OK: no leak beyond the claim detected"
     conf = _num(r.get("confidence"))
@@ -349,6 +419,20 @@ def summary_table(report: dict) -> str:
     if isinstance(report.get("final_model"), dict):
         lines += ["", *final_model_lines(report["final_model"])]
     return "\n".join(lines)
+
+
+GROUPS = ("pooled", "noise repeats", "noise correlated", "exact checks")  # violating groups that are not layers
+
+
+def _violating(names: list) -> str:
+    """Where the alarm fired: "in 2 layers (a, b)", with the groups named as such ("in pooled, noise repeats
+    and 1 layer (a)"); only tensors are counted as layers."""
+    if not names:
+        return "(where: unknown)"
+    groups = [name for name in names if name in GROUPS]
+    layers = [name for name in names if name not in GROUPS]
+    parts = groups + ([f"{len(layers)} layer{'s' * (len(layers) != 1)} ({', '.join(layers)})"] if layers else [])
+    return "in " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
 
 
 def _failure_line(r: dict) -> list:

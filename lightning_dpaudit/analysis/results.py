@@ -118,13 +118,22 @@ class AuditResult:
         return summary_table({"result": self.to_dict()})
 
 
+VERDICT = "DP AUDIT VIOLATION"  # the first words of every violation alert
+
+
 def violation_message(r: AuditResult) -> str:
-    """One line for an alert (the numbers that show the leak and where it is), then one line per finding."""
+    """The alert: one headline (the verdict and the cause first, the numbers after), then one line per finding.
+
+    The headline reads "DP AUDIT VIOLATION at step 6: noise_scale: noise std ...; epsilon >= 12.3 vs accountant
+    2.1 (delta 1e-05); per-step mu lower bound ...; violating: ...": the cause is the first finding's code and
+    sentence (the alarm's own numbers where there is no finding).
+    """
     return _violation_line(r) + "".join(f"\n  - {f.code}: {f.message}" for f in r.findings)
 
 
 def _violation_line(r: AuditResult) -> str:
-    """The alarm's own numbers: the bound that crossed its claim (the pool's, else the first tensor's), or the repeat."""
+    """The verdict, the cause, then the numbers: both epsilons, the bound that crossed its claim (the pool's, else
+    the first tensor's) or the repeat, and the groups and tensors whose test fired."""
     tensor = next((layer for layer in r.layers if layer.violation), None)
     repeat = r.first_noise_repeat
     correlated = next((f for f in r.findings if f.code == "noise_correlated"), None)
@@ -142,12 +151,14 @@ def _violation_line(r: AuditResult) -> str:
     else:
         crossed = f"the noise of step {repeat[0]} repeats step {repeat[1]}'s"
         repeat = None  # said already
-    epsilons = (
-        f"; empirical epsilon >= {r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} (delta={r.delta:g})"
-        if math.isfinite(r.epsilon_accountant) else ""
-    )
-    return (
-        f"DP audit violation at step {r.first_violation_step}: {crossed}{epsilons}; "
-        f"violating: {', '.join(r.violating_layers)}"
-        + (f"; the noise of step {repeat[0]} repeats step {repeat[1]}'s" if repeat else "")
-    )
+    first = r.findings[0] if r.findings else None
+    cause = f"{first.code}: {first.message.rstrip('.')}" if first is not None else crossed
+    numbers = []
+    if math.isfinite(r.epsilon_accountant):
+        numbers.append(f"epsilon >= {r.epsilon_lower_bound:.3g} vs accountant {r.epsilon_accountant:.3g} (delta {r.delta:g})")
+    if first is not None and crossed not in first.message:
+        numbers.append(crossed)
+    numbers.append(f"violating: {', '.join(r.violating_layers)}")
+    if repeat and (first is None or f"step {repeat[0]}" not in first.message):
+        numbers.append(f"the noise of step {repeat[0]} repeats step {repeat[1]}'s")
+    return f"{VERDICT} at step {r.first_violation_step}: {cause}; " + "; ".join(numbers)

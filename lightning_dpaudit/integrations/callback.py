@@ -12,8 +12,14 @@ one AuditFailedWarning, and the result's `audit_failed` names it.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import logging
 import math
+import os
+import sys
+import sysconfig
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -34,6 +40,41 @@ from .logged_values import CHART_LAYOUT, _add_histogram, _finite, _plain, _versi
 from ..analysis.results import AuditResult, violation_message
 
 ALERTS = ("warn", "raise", "stop")
+LOG = logging.getLogger("lightning_dpaudit")  # the alert's one line (warn and stop), at WARNING
+ALERT_TAG = "dpaudit/alert"  # the alert's line as TensorBoard text
+
+
+def _library_paths() -> tuple:
+    """Where the frames a warning should skip live: this package, torch, Opacus, Lightning, the standard library."""
+    paths = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]]
+    for name in ("lightning_dpaudit", "torch", "opacus", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
+                 "lightning"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            paths.append(os.path.join(os.path.realpath(location), ""))
+    return tuple(os.path.join(os.path.realpath(p), "") for p in paths)
+
+
+_LIBRARY_PATHS: Optional[tuple] = None
+
+
+@rank_zero_only
+def _warn_at_user_code(message: str, category) -> None:
+    """warnings.warn(message) attributed to the innermost frame outside the libraries (the user's call of
+    trainer.fit, or of optimizer.step), so no internal path precedes the message."""
+    global _LIBRARY_PATHS
+    if _LIBRARY_PATHS is None:
+        _LIBRARY_PATHS = _library_paths()
+    frame, level = sys._getframe(1), 2  # stacklevel 2: this function's caller
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith("<frozen") or os.path.realpath(name).startswith(_LIBRARY_PATHS)):
+            break
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)  # past the outermost frame: attributed to "sys"
 
 
 class PrivacyViolationError(RuntimeError):
@@ -44,7 +85,10 @@ class DPAuditCallback(AuditCheckpointing, Callback):
     """Audit the Trainer's Opacus DPOptimizer while it trains.
 
     alert: "warn" (one warning), "raise" (PrivacyViolationError), "stop" (end training
-    cleanly) or a callable receiving the AuditResult; each fires once.
+    cleanly) or a callable receiving the AuditResult; each fires once. "warn" and "stop" also
+    log the alert's headline ("DP AUDIT VIOLATION at step N: <cause>; <numbers>") as one line
+    through the `logging` logger "lightning_dpaudit" and, with a TensorBoard logger, as text
+    under "dpaudit/alert"; the warning is attributed to the user's code that runs the Trainer.
     logging_budget: the share of wall time the epsilon curves and figures may take; the
     accountant's epsilon (slow with PRV) and the trade-off figure are skipped at a log
     step when they would exceed it, and logged at the next step that fits.
@@ -164,10 +208,14 @@ class DPAuditCallback(AuditCheckpointing, Callback):
 
     @rank_zero_only
     def _add_chart_layout(self, trainer) -> None:
-        """TensorBoard's Custom Scalars tab: both epsilons on one chart, both mus on another."""
+        """TensorBoard's Custom Scalars tab: both epsilons on one chart, both mus on another; and, once, where
+        TensorBoard shows the run."""
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_custom_scalars(CHART_LAYOUT)
+                if not getattr(self, "_pointed", False):
+                    self._pointed = True
+                    print(f"DP audit: see it in TensorBoard with  tensorboard --logdir {logger.log_dir}")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.auditor is not None and stage == "fit":
@@ -247,14 +295,27 @@ class DPAuditCallback(AuditCheckpointing, Callback):
         if callable(self.alert):
             self.alert(result)
         elif self.alert == "warn":
-            rank_zero_warn(message, category=UserWarning)
+            self._announce(message, result.steps)
+            _warn_at_user_code(message, UserWarning)
         elif self.alert == "raise":
             raise PrivacyViolationError(message)
         else:
             trainer = self._trainer
             if trainer is not None:
                 trainer.should_stop = True
+            self._announce(message, result.steps)
             rank_zero_info(f"Training stopped by DPAuditCallback: {message}")
+
+    @rank_zero_only
+    def _announce(self, message: str, step: int) -> None:
+        """The alert's headline as one log line, and as TensorBoard text with the findings below it."""
+        headline = message.splitlines()[0]
+        LOG.warning(headline)
+        trainer = self._trainer
+        for logger in trainer.loggers if trainer is not None else ():
+            if isinstance(logger, TensorBoardLogger):
+                text = "**" + headline + "**" + "".join(f"\n\n{line.strip()}" for line in message.splitlines()[1:])
+                logger.experiment.add_text(ALERT_TAG, text, step)
 
     # ------------------------------------------------------------------ faults
 
