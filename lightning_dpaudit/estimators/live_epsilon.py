@@ -32,6 +32,9 @@ reuses work between calls instead of rebuilding accountants:
   sample rate 0.036: 0.1 s at mu 1, 0.5 s at 2, 3 s and 0.3 GB at 4; at 8 it raises),
   so the lower bound also caps mu_step at `prv_mu_cap` (2) times the run's largest
   claimed mu: a smaller mu, so a smaller epsilon, which already exceeds the accountant's.
+  The audit's results do not use this rounded-up accountant's epsilon: they ask a PRV
+  accountant itself (analysis.assemble, `ResultAssembler.accountant_epsilon`), so the
+  reported `epsilon_accountant` and the logged `dpaudit/eps_accountant` are Opacus's own.
 
 Opacus is imported only when needed, so this module stays free of torch.
 """
