@@ -197,14 +197,8 @@ def test_zero_false_positives_and_all_false_negatives(method):
     perfect = epsilon_from_counts(50, 0, 0, 50, delta=d, method=method)
     assert perfect.epsilon > 0 and math.isfinite(perfect.epsilon)
     useless = epsilon_from_counts(0, 50, 0, 50, delta=d, method=method)  # says "out" always
-    if method.endswith("bayes"):
-        # a posterior puts no mass on epsilon = 0 exactly, so its lower end stays a little
-        # above 0, and shrinks as the counts grow
-        assert useless.epsilon < 0.2 < perfect.epsilon
-        many = epsilon_from_counts(0, 5000, 0, 5000, delta=d, method=method)
-        assert many.epsilon < useless.epsilon
-    else:
-        assert useless.epsilon == pytest.approx(0.0, abs=1e-6)
+    # the Bayesian methods too: 0 while the credible interval of the separation holds 0
+    assert useless.epsilon == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -309,17 +303,17 @@ def test_epsdelta_cp_equals_privacy_estimates_beta(record):
 
 
 @pytest.mark.parametrize("record", [r for r in _RECORDS if r["method"] == "joint-beta"], ids=lambda r: f"{r['tp']}-{r['fn']}-{r['fp']}-{r['tn']}")
-def test_epsdelta_bayes_equals_privacy_estimates_joint_beta(record):
-    ours = epsilon_from_counts(
-        record["tp"], record["fn"], record["fp"], record["tn"],
-        delta=record["delta"], method="epsdelta-bayes", confidence=record["confidence"],
-    )
-    # The package's own numerics (dblquad epsabs 5e-3, root xtol 1e-2) are good to ~3e-3;
-    # with its tolerances tightened (same definition) it is the 1e-3 reference.
-    if "epsilon_lower_tight" in record:
-        assert ours.epsilon == pytest.approx(record["epsilon_lower_tight"], abs=1e-3)
-    if record.get("epsilon_lower") is not None:
-        assert ours.epsilon == pytest.approx(record["epsilon_lower"], abs=5e-3)
+def test_epsdelta_bayes_is_below_privacy_estimates_joint_beta(record):
+    """epsdelta-bayes bounds each of the two statements of R(eps, delta) at (1 - confidence)/2
+    under a posterior leaning toward errors (posterior.py), not the region's joint mass at
+    1 - confidence (joint-beta, which exceeds randomized response's epsilon in 17-18% of
+    trials at 95%): so it is never above joint-beta (the reference with tightened tolerances,
+    good to 1e-3). On these records it is also at least the epsdelta-cp bound."""
+    counts = (record["tp"], record["fn"], record["fp"], record["tn"])
+    kwargs = dict(delta=record["delta"], confidence=record["confidence"])
+    ours = epsilon_from_counts(*counts, method="epsdelta-bayes", **kwargs).epsilon
+    assert ours <= record["epsilon_lower_tight"] + 1e-3
+    assert ours >= epsilon_from_counts(*counts, method="epsdelta-cp", **kwargs).epsilon - 1e-9
 
 
 def test_worse_than_chance_attack_is_flipped_not_ignored():

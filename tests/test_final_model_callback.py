@@ -47,7 +47,7 @@ def test_bounds_logged_reported_and_summarised_beside_the_step_audit(tmp_path, c
     events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "histograms": 0}).Reload()
     curve = events.Scalars("dpaudit/final_model/eps_lower_bound")
     assert len(curve) >= 3  # every epoch, and at the end of fit
-    assert "dpaudit/final_model/eps_lower_bound_fdp" in events.Tags()["scalars"]
+    assert "dpaudit/final_model/eps_lower_bound_fdp_if_gaussian" in events.Tags()["scalars"]
     assert {"dpaudit/final_model/scores_trained_on", "dpaudit/final_model/scores_not_trained_on"} <= set(events.Tags()["histograms"])
     report = load_report(logger.log_dir)
     section = report["final_model"]
@@ -59,7 +59,7 @@ def test_bounds_logged_reported_and_summarised_beside_the_step_audit(tmp_path, c
     counts = section["histograms"][section["bounds"]["steinke"]["score"]]
     assert sum(counts["included"]) == section["num_included"] and sum(counts["excluded"]) == CANARIES - section["num_included"]
     printed = capsys.readouterr().out
-    assert "Final model (64 ood canaries" in printed and "epsilon, Gaussian f-DP" in printed
+    assert "Final model (64 ood canaries" in printed and "epsilon if Gaussian (f-DP)" in printed
     assert "Final model" in summary_table(report)
 
 

@@ -164,7 +164,8 @@ def test_chance_scores_give_zero_or_little():
         (dict(scores={"loss": [1.0, 2.0, 3.0]}, included=[True, False]), "3 values for 2 canaries"),
         (dict(scores={"loss": [1.0, math.nan]}, included=[True, False]), "finite"),
         (dict(scores={"loss": [1.0, 2.0]}, included=[True, False], selection="best"), "selection"),
-        (dict(scores={"loss": [1.0, 2.0]}, included=[True, False], delta=0.0), "delta"),
+        (dict(scores={"loss": [1.0, 2.0]}, included=[True, False], delta=1.0), "delta"),
+        (dict(scores={"loss": [1.0, 2.0]}, included=[0.9, 0.1]), "`included`: 0.9"),
     ],
 )
 def test_bad_input(kwargs, message):

@@ -4,8 +4,11 @@ Threat model: an adversary who sees only the released model, and knows the m can
 but not which of them (each with probability 1/2) were trained on. The bounds
 (estimators/one_run_guesses.py) hold at `confidence`:
 
-    steinke   (epsilon, delta)-DP, Steinke, Nasr and Jagielski (2023)
-    fdp       the Gaussian trade-off curve through (epsilon, delta), Mahloujifar et al. (2024)
+    steinke   (epsilon, delta)-DP, Steinke, Nasr and Jagielski (2023); defined at any delta
+    fdp       the Gaussian trade-off curve through (epsilon, delta), Mahloujifar et al. (2024):
+              valid only for a mechanism with a Gaussian trade-off curve (DP-SGD's noise), so
+              labelled "if Gaussian" wherever shown; not a bound on (epsilon, delta)-DP and not
+              comparable with "steinke"; nan at delta = 0 (the curve has epsilon = inf there)
 
 The result is compared with the accountant's epsilon for the whole run; only the bound
 of the end of training is tested against it, once (`violation`); bounds taken during
@@ -20,12 +23,15 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
+from ..estimators._checks import check_included
 from ..estimators.one_run_guesses import GuessBound, one_run_bounds
-from .formatting import fixed
+from .formatting import as_number, fixed
 
 SCORE_LABELS = {"loss": "minus the canary's loss", "loss_change": "drop of the loss since the start",
                 "logit_margin": "logit margin of the canary's label"}
 HEADLINE = "steinke"  # the estimator whose claim is the accountant's: (epsilon, delta)-DP
+LABELS = {"steinke": "epsilon, (eps, delta)-DP", "fdp": "epsilon if Gaussian (f-DP)"}
+FDP_NOTE = "assumes a Gaussian trade-off curve (DP-SGD's noise): not comparable with the (eps, delta)-DP bound"
 BINS = 30
 
 
@@ -89,8 +95,10 @@ def audit_final_model(
     selection: str = "union", kind: Optional[str] = None, seed: int = 0,
 ) -> FinalModelResult:
     """Guess membership from `scores` (name -> one value per canary, larger = more likely
-    included) and bound epsilon with each one-run estimator."""
-    included = np.asarray(included, dtype=bool).reshape(-1)
+    included; booleans or 0/1 integers) and bound epsilon with each one-run estimator. At
+    delta = 0 the "steinke" bound is pure epsilon-DP's and the "fdp" bound is nan (its
+    `unavailable` says why)."""
+    included = check_included(included)
     bounds = one_run_bounds(scores, included, delta=delta, confidence=confidence, selection=selection, seed=seed)
     return FinalModelResult(
         epoch=epoch, step=step, kind=kind, num_canaries=len(included), num_included=int(included.sum()),
@@ -119,6 +127,8 @@ def section_problem(section) -> Optional[str]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 return f"bound {name!r}: `{key}` is {value!r}; expected a whole number >= 0"
         epsilon = bound.get("epsilon")
+        if epsilon is None and isinstance(bound.get("unavailable"), str) and bound["unavailable"]:
+            continue  # not available at these settings (nan, written as null), with the reason
         if not (isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool) and epsilon >= 0) and epsilon != "inf":
             return f"bound {name!r}: `epsilon` is {epsilon!r}; expected a number >= 0"
     return None
@@ -152,13 +162,21 @@ def summary_lines(final_model: dict) -> list:
     verdict = "VIOLATION: the released model leaks beyond the claim" if fm.get("violation") else "OK: within the claim"
     lines = [f"Final model ({fm.get('num_canaries')} {fm.get('kind') or ''} canaries, {fm.get('num_included')} trained on; "
              f"epoch {fm.get('epoch')}): {verdict}"]
-    for name, label in (("steinke", "epsilon, (eps, delta)-DP"), ("fdp", "epsilon, Gaussian f-DP")):
+    for name, label in LABELS.items():
         b = (fm.get("bounds") or {}).get(name)
         if not b:
             continue
-        rule = (f"{b['score']}: {b['correct']}/{b['guesses_in'] + b['guesses_out']} right ({b['guesses_in']} in, "
-                f"{b['guesses_out']} out)" if b["epsilon"] > 0 else "no guess rule did better than chance")
-        lines.append(f"  {label:<26} {fixed(b['epsilon'], 2):>6}   {rule}")
+        epsilon = as_number(b.get("epsilon"))
+        if math.isnan(epsilon):
+            rule = b.get("unavailable") or "not available"
+        elif epsilon > 0:
+            rule = (f"{b['score']}: {b['correct']}/{b['guesses_in'] + b['guesses_out']} right ({b['guesses_in']} in, "
+                    f"{b['guesses_out']} out)")
+        else:
+            rule = "no guess rule did better than chance"
+        lines.append(f"  {label:<26} {fixed(epsilon, 2):>6}   {rule}")
+        if name == "fdp":
+            lines.append(f"  {'':<26} {'':>6}   {FDP_NOTE}")
     lines.append(f"  {'accountant epsilon':<26} {fixed(claim, 2):>6}   {fm.get('selection')} guess selection, "
                  f"{fixed(fm.get('confidence'), 2)} confidence")
     return lines

@@ -71,3 +71,27 @@ def check_counts(tp, fn, fp, tn):
         if np.any(bad):
             raise ValueError(f"Unexpected value for `{name}`: {np.asarray(a)[bad].ravel()[0]}; counts must be whole numbers >= 0")
     return arrays
+
+
+def check_included(values, name: str = "included") -> np.ndarray:
+    """A 1-D boolean array from booleans or 0/1 integers; anything else (probabilities, nan,
+    strings, None) is refused, naming the first bad value, instead of being read as True."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be booleans or 0/1 integers, one per canary; got {type(values).__name__}") from None
+    array = array.reshape(-1)
+    if array.dtype == bool:
+        return array
+    if np.issubdtype(array.dtype, np.integer):
+        bad = (array != 0) & (array != 1)
+        if np.any(bad):
+            raise ValueError(f"Unexpected value for `{name}`: {array[bad][0].item()!r}; use booleans or 0/1 integers")
+        return array.astype(bool)
+    for value in array:  # floats, strings, objects: name the first value that is not a bool or a 0/1 integer
+        if not (isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1))):
+            shown = value.item() if isinstance(value, np.generic) else value
+            raise ValueError(
+                f"Unexpected value for `{name}`: {shown!r} (a {type(shown).__name__}); use booleans or 0/1 integers"
+            )
+    return array.astype(bool)

@@ -23,7 +23,7 @@ from typing import Callable, Dict, Mapping, Tuple
 
 import numpy as np
 
-from ._checks import check_confidence, check_delta, check_scores
+from ._checks import check_confidence, check_delta, check_included, check_scores
 from .one_run import MAX_CANARIES, one_run_epsilon
 from .one_run_fdp import one_run_fdp_epsilon
 
@@ -31,6 +31,9 @@ GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 SIDES = ("in", "both")  # "in": the k highest only; "both": k/2 highest "in", k/2 lowest "out"
 SELECTIONS = ("union", "split")
 ESTIMATORS: Dict[str, Callable] = {"steinke": one_run_epsilon, "fdp": one_run_fdp_epsilon}
+# What each bound assumes beyond the claim it tests: "fdp" holds only for a Gaussian trade-off curve.
+ASSUMES = {"steinke": "", "fdp": "Gaussian trade-off curve (as DP-SGD's noise gives); not a bound on (epsilon, delta)-DP"}
+FDP_AT_DELTA_ZERO = "not available at delta = 0: a Gaussian trade-off curve has epsilon = inf there"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class GuessBound:
     correct     right guesses among them; num_canaries: the m the bound was computed for
                 (all canaries for "union", the tested half for "split").
     rules       H, the number of rules the level was shared over (1 for "split").
+    assumes     what the bound assumes beyond its claim ("" for "steinke"; the Gaussian
+                trade-off curve for "fdp", whose bound is no bound for other mechanisms).
+    unavailable why epsilon is nan ("fdp" at delta = 0), else "".
     """
 
     estimator: str
@@ -55,6 +61,8 @@ class GuessBound:
     selection: str
     confidence: float
     delta: float
+    assumes: str = ""
+    unavailable: str = ""
 
 
 def guess_rules(score_names, num_canaries: int) -> list:
@@ -98,10 +106,10 @@ def one_run_bounds(
 ) -> Dict[str, GuessBound]:
     """Each estimator's lower bound on epsilon from the canaries' scores and their inclusion."""
     confidence = check_confidence(confidence)
-    delta = check_delta(delta, allow_zero=False, why="the f-DP estimator's Gaussian curve needs delta > 0")
+    delta = check_delta(delta)  # at delta = 0 only "steinke" is defined; "fdp" is nan with the reason
     if selection not in SELECTIONS:
         raise ValueError(f"Unexpected value for `selection`: {selection!r}; use one of {', '.join(SELECTIONS)}")
-    included = np.asarray(included, dtype=bool).reshape(-1)
+    included = check_included(included)
     if len(included) > MAX_CANARIES:
         raise ValueError(
             f"Unexpected value for `included`: {len(included):,} canaries; at most {MAX_CANARIES:,} (10**7) are bounded"
@@ -115,18 +123,32 @@ def one_run_bounds(
     if len(included) < 2:
         raise ValueError(f"need at least 2 canaries; got {len(included)}")
     if selection == "union":
-        return {name: _best(name, estimate, table, included, delta, confidence, "union") for name, estimate in ESTIMATORS.items()}
+        return {name: _best(name, estimate, table, included, delta, confidence, "union") if _defined(name, delta)
+                else _unavailable(name, len(included), "union", confidence, delta) for name, estimate in ESTIMATORS.items()}
     half = np.random.default_rng(seed).permutation(len(included))
     pick, test = half[: len(half) // 2], half[len(half) // 2:]
     out = {}
     for name, estimate in ESTIMATORS.items():
+        if not _defined(name, delta):
+            out[name] = _unavailable(name, len(test), "split", confidence, delta)
+            continue
         chosen = _best(name, estimate, {k: v[pick] for k, v in table.items()}, included[pick], delta, confidence, "split")
         m = len(test)
         k_in, k_out = _rescale(chosen, len(pick), m)
         r, v = guess_counts(table[chosen.score][test], included[test], k_in, k_out)
         eps = estimate(m, r, v, delta=delta, confidence=confidence)
-        out[name] = GuessBound(name, eps, chosen.score, k_in, k_out, v, m, 1, "split", confidence, delta)
+        out[name] = GuessBound(name, eps, chosen.score, k_in, k_out, v, m, 1, "split", confidence, delta, ASSUMES[name])
     return out
+
+
+def _defined(estimator: str, delta: float) -> bool:
+    """The f-DP bound needs delta > 0; the (epsilon, delta) bound is defined at delta = 0 too."""
+    return estimator != "fdp" or delta > 0.0
+
+
+def _unavailable(estimator, m, selection, confidence, delta) -> GuessBound:
+    return GuessBound(estimator, float("nan"), "", 0, 0, 0, m, 0, selection, confidence, delta, ASSUMES[estimator],
+                      FDP_AT_DELTA_ZERO)
 
 
 def _rescale(bound: GuessBound, m_from: int, m_to: int) -> Tuple[int, int]:
@@ -147,5 +169,5 @@ def _best(estimator, estimate, table, included, delta, confidence, selection) ->
         eps = estimate(m, r, v, delta=delta, confidence=1.0 - level) if 2 * v > r else 0.0
         if best is None or eps > best.epsilon:
             best = GuessBound(estimator, eps, name, k_in, k_out, v, m, len(rules) if selection == "union" else 1,
-                              selection, confidence, delta)
+                              selection, confidence, delta, ASSUMES[estimator])
     return best

@@ -88,16 +88,17 @@ class FinalModelTracker:
         self.history = [h for h in self.history if h["step"] != step]  # a resumed run may repeat a step
         self.history.append({
             "epoch": epoch, "step": step, "eps_lower_bound": result.epsilon_lower_bound,
-            "eps_lower_bound_fdp": result.bounds["fdp"].epsilon, "eps_accountant": claim,
+            "eps_lower_bound_fdp_if_gaussian": result.bounds["fdp"].epsilon, "eps_accountant": claim,
         })
         if trainer.is_global_zero:
             self.log(trainer, result)
         return result
 
     def log(self, trainer, result: FinalModelResult) -> None:
-        """Both bounds as scalars and the included / excluded score histograms in TensorBoard."""
+        """Both bounds as scalars (the f-DP one tagged "_if_gaussian": it assumes a Gaussian trade-off
+        curve) and the included / excluded score histograms in TensorBoard."""
         metrics = {f"{PREFIX}/eps_lower_bound": result.epsilon_lower_bound,
-                   f"{PREFIX}/eps_lower_bound_fdp": result.bounds["fdp"].epsilon}
+                   f"{PREFIX}/eps_lower_bound_fdp_if_gaussian": result.bounds["fdp"].epsilon}
         metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=result.step)
