@@ -29,34 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import numpy as np
 import torch
 
+from .forward_replay import EPS32, Call, first_gradient, precision, same_rows, sliced, smallest_module_holding, tensors
+
 RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
 ATOL = 1e-4  # relative to the example's whole gradient norm (one unit roundoff, if larger)
-EPS32 = float(torch.finfo(torch.float32).eps)
 DEFAULT_EVERY = 100
 DEFAULT_EXAMPLES = 2
 CODE = "per_sample_gradients"
-
-
-@dataclass
-class _Call:
-    """One forward pass of the checked module: its inputs, RNG state, chosen examples and output gradients."""
-
-    args: tuple
-    kwargs: dict
-    rng_state: torch.Tensor
-    cuda_states: list
-    batch: int = 0
-    chosen: Optional[np.ndarray] = None
-    grads: dict = field(default_factory=dict)  # output leaf index -> gradient rows of the chosen examples
-    backward: Optional[int] = None  # the backward pass that brought them
-    outputs: dict = field(default_factory=dict)  # output leaf index -> the chosen examples' rows of the output
-    autocast: list = field(default_factory=list)  # (device type, dtype) of the autocast regions the forward ran in
 
 
 class PerSampleCheck:
@@ -77,7 +61,7 @@ class PerSampleCheck:
         self.rng = np.random.default_rng(None if seed is None else [seed, 27])
         self.target: Optional[torch.nn.Module] = None
         self.handles: list = []
-        self.calls: List[_Call] = []
+        self.calls: List[Call] = []
         self.replaying = False  # True while the check itself runs the model (nothing is captured then)
         self.checked = 0  # steps whose examples were compared
         self.eps = EPS32  # the unit roundoff of the lowest precision the last checked step computed in
@@ -144,17 +128,17 @@ class PerSampleCheck:
     def _before_forward(self, module, args, kwargs):
         if self.replaying or not self.due(self.steps()) or not (module.training and torch.is_grad_enabled()):
             return None
-        devices = sorted({t.device.index for t in _tensors((args, kwargs)) if t.device.type == "cuda"})
+        devices = sorted({t.device.index for t in tensors((args, kwargs)) if t.device.type == "cuda"})
         cuda_states = [(d, torch.cuda.get_rng_state(d)) for d in devices]
         autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        self.calls.append(_Call(args, kwargs, torch.get_rng_state(), cuda_states, autocast=autocast))
+        self.calls.append(Call(args, kwargs, torch.get_rng_state(), cuda_states, autocast=autocast))
         return None
 
     def _after_forward(self, module, args, kwargs, output):
         if self.replaying or not self.calls or self.calls[-1].args is not args:
             return None
         call = self.calls[-1]
-        leaves = [t for t in _tensors(output) if t.requires_grad and t.dim() > 0]
+        leaves = [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
         if not leaves:
             self.calls.pop()
             return None
@@ -163,7 +147,7 @@ class PerSampleCheck:
         rows = torch.as_tensor(call.chosen, device=leaves[0].device)
         for j, leaf in enumerate(leaves):
             if leaf.shape[0] == call.batch:
-                leaf.register_hook(_first_gradient(call, j, rows))
+                leaf.register_hook(first_gradient(call, j, rows))
                 call.outputs[j] = leaf.detach()[rows].clone()  # what a replay of the chosen examples must give
         return None
 
@@ -190,7 +174,7 @@ class PerSampleCheck:
         warnings.warn(f"the per-sample gradient check stopped: {self.failed}", RuntimeWarning, stacklevel=3)
         self.close()
 
-    def _compare(self, calls: List[_Call], step: int) -> None:
+    def _compare(self, calls: List[Call], step: int) -> None:
         call = calls[-1]
         if len(calls) > 1 and calls[-2].backward == call.backward:
             self.skipped = "the model ran forward more than once before one backward pass"
@@ -272,7 +256,7 @@ class PerSampleCheck:
                     f"C = {C:g} and the example's gradient norm {total:.6g} gives {exact:.6g} ({leaks})")
         return None
 
-    def _autograd(self, call: _Call) -> list:
+    def _autograd(self, call: Call) -> list:
         """expected[position][tensor]: s * d<out_i, g_i>/dp by plain autograd (Opacus's hooks off, inputs and RNG replayed)."""
         gsm = self.module()
         was_enabled = getattr(gsm, "hooks_enabled", False)
@@ -300,14 +284,14 @@ class PerSampleCheck:
                 for b, copy in buffers:
                     b.copy_(copy)
 
-    def _replay(self, call: _Call):
+    def _replay(self, call: Call):
         """(output leaves, the chosen examples' rows in them): the chosen examples alone when that reproduces
         their outputs (a forward pass that is per-example and draws no randomness), else the whole batch."""
-        sliced = _sliced((call.args, call.kwargs), call.chosen, call.batch)
-        if sliced is not None:
+        alone = sliced((call.args, call.kwargs), call.chosen, call.batch)
+        if alone is not None:
             try:
-                leaves = self._forward(call, *sliced)
-                if all(j < len(leaves) and _same_rows(leaves[j], rows) for j, rows in call.outputs.items()):
+                leaves = self._forward(call, *alone)
+                if all(j < len(leaves) and same_rows(leaves[j], rows) for j, rows in call.outputs.items()):
                     self.replays["examples"] += 1
                     return leaves, range(len(call.chosen))
             except Exception:  # a forward pass that refuses a smaller batch: replay the whole batch
@@ -315,7 +299,7 @@ class PerSampleCheck:
         self.replays["batch"] += 1
         return self._forward(call, call.args, call.kwargs), call.chosen
 
-    def _forward(self, call: _Call, args, kwargs) -> list:
+    def _forward(self, call: Call, args, kwargs) -> list:
         """The target's forward pass from the call's RNG state (torch's own state restored after)."""
         with contextlib.ExitStack() as regions:
             regions.enter_context(torch.random.fork_rng(devices=[d for d, _ in call.cuda_states]))
@@ -326,7 +310,7 @@ class PerSampleCheck:
             for d, state in call.cuda_states:
                 torch.cuda.set_rng_state(state, d)
             output = self.target(*args, **kwargs)
-        return [t for t in _tensors(output) if t.requires_grad and t.dim() > 0]
+        return [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
 
     def close(self) -> None:
         for h in self.handles:
@@ -339,74 +323,3 @@ class PerSampleCheck:
             else:
                 delattr(self.optimizer, name)
             self._wrapped = None
-
-
-def _first_gradient(call: _Call, j: int, rows: torch.Tensor):
-    """A tensor hook keeping the chosen examples' rows of the first gradient that reaches output leaf j."""
-    task = getattr(torch._C, "_current_graph_task_id", lambda: None)
-
-    def keep(grad):
-        if j not in call.grads:
-            call.grads[j] = grad.detach()[rows].clone()
-            call.backward = task()
-
-    return keep
-
-
-def smallest_module_holding(module: torch.nn.Module, params) -> torch.nn.Module:
-    """The deepest submodule of `module` whose parameters include every tensor of `params`."""
-    wanted = {id(p) for p in params}
-    best, depth = module, 0
-    for name, m in module.named_modules():
-        d = 0 if not name else name.count(".") + 1
-        if d > depth and wanted <= {id(p) for p in m.parameters()}:
-            best, depth = m, d
-    return best
-
-
-def precision(tensors, dtypes=()) -> float:
-    """The unit roundoff of the lowest floating precision among these tensors and dtypes (float32's at least):
-    mixed precision (bf16 autocast) computes per-sample gradients to about 1e-2, not 1e-6."""
-    found = [t.dtype for t in tensors if t is not None] + list(dtypes)
-    return max([EPS32] + [float(torch.finfo(d).eps) for d in found if d.is_floating_point])
-
-
-def _sliced(value, chosen: np.ndarray, batch: int):
-    """(args, kwargs) with every tensor whose first dimension is the batch cut to the chosen rows; None if none is."""
-    cut = []
-
-    def walk(v):
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
-            cut.append(True)
-            return v[torch.as_tensor(chosen, device=v.device)]
-        if isinstance(v, (tuple, list)):
-            return type(v)(walk(x) for x in v)
-        if isinstance(v, dict):
-            return {k: walk(x) for k, x in v.items()}
-        return v
-
-    args, kwargs = walk(value)
-    return (args, kwargs) if cut else None
-
-
-def _same_rows(replayed: torch.Tensor, recorded: torch.Tensor) -> bool:
-    """A replay's output rows equal the recorded ones up to float rounding (relative 1e-4 of the largest)."""
-    if replayed.shape != recorded.shape:
-        return False
-    scale = float(recorded.abs().max()) if recorded.numel() else 0.0
-    return bool(torch.allclose(replayed.detach(), recorded, rtol=1e-4, atol=1e-5 * scale + 1e-12))
-
-
-def _tensors(value):
-    """The tensors in a forward's inputs or output (tensors, tuples, lists, dicts, dataclass-like outputs)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif hasattr(value, "__dataclass_fields__"):
-        for name in value.__dataclass_fields__:
-            yield from _tensors(getattr(value, name))

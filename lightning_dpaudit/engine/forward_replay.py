@@ -1,0 +1,104 @@
+"""What the exact per-sample check keeps of a forward pass, and how it replays one.
+
+A forward pass of the checked module is kept as its inputs, torch's RNG state (CPU and
+CUDA) and autocast regions, the chosen examples' output rows, and the gradient the loss
+sent to those rows in the first backward pass. A replay runs the module again from that
+state, on the chosen examples alone (when that gives their outputs back) or on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+EPS32 = float(torch.finfo(torch.float32).eps)
+
+
+@dataclass
+class Call:
+    """One forward pass of the checked module: its inputs, RNG state, chosen examples and output gradients."""
+
+    args: tuple
+    kwargs: dict
+    rng_state: torch.Tensor
+    cuda_states: list
+    batch: int = 0
+    chosen: Optional[np.ndarray] = None
+    grads: dict = field(default_factory=dict)  # output leaf index -> gradient rows of the chosen examples
+    backward: Optional[int] = None  # the backward pass that brought them
+    outputs: dict = field(default_factory=dict)  # output leaf index -> the chosen examples' rows of the output
+    autocast: list = field(default_factory=list)  # (device type, dtype) of the autocast regions the forward ran in
+
+
+def first_gradient(call: Call, j: int, rows: torch.Tensor):
+    """A tensor hook keeping the chosen examples' rows of the first gradient that reaches output leaf j."""
+    task = getattr(torch._C, "_current_graph_task_id", lambda: None)
+
+    def keep(grad):
+        if j not in call.grads:
+            call.grads[j] = grad.detach()[rows].clone()
+            call.backward = task()
+
+    return keep
+
+
+def smallest_module_holding(module: torch.nn.Module, params) -> torch.nn.Module:
+    """The deepest submodule of `module` whose parameters include every tensor of `params`."""
+    wanted = {id(p) for p in params}
+    best, depth = module, 0
+    for name, m in module.named_modules():
+        d = 0 if not name else name.count(".") + 1
+        if d > depth and wanted <= {id(p) for p in m.parameters()}:
+            best, depth = m, d
+    return best
+
+
+def precision(tensors, dtypes=()) -> float:
+    """The unit roundoff of the lowest floating precision among these tensors and dtypes (float32's at least):
+    mixed precision (bf16 autocast) computes per-sample gradients to about 1e-2, not 1e-6."""
+    found = [t.dtype for t in tensors if t is not None] + list(dtypes)
+    return max([EPS32] + [float(torch.finfo(d).eps) for d in found if d.is_floating_point])
+
+
+def sliced(value, chosen: np.ndarray, batch: int):
+    """(args, kwargs) with every tensor whose first dimension is the batch cut to the chosen rows; None if none is."""
+    cut = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
+            cut.append(True)
+            return v[torch.as_tensor(chosen, device=v.device)]
+        if isinstance(v, (tuple, list)):
+            return type(v)(walk(x) for x in v)
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    args, kwargs = walk(value)
+    return (args, kwargs) if cut else None
+
+
+def same_rows(replayed: torch.Tensor, recorded: torch.Tensor) -> bool:
+    """A replay's output rows equal the recorded ones up to float rounding (relative 1e-4 of the largest)."""
+    if replayed.shape != recorded.shape:
+        return False
+    scale = float(recorded.abs().max()) if recorded.numel() else 0.0
+    return bool(torch.allclose(replayed.detach(), recorded, rtol=1e-4, atol=1e-5 * scale + 1e-12))
+
+
+def tensors(value):
+    """The tensors in a forward's inputs or output (tensors, tuples, lists, dicts, dataclass-like outputs)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors(v)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from tensors(getattr(value, name))
