@@ -1,7 +1,10 @@
 """What the exact data-path checks cost: the audit with them (default every 100 steps) against the audit
 without them (per_sample_check_every=0), alternating A and B in one run, the ratio of median times.
 
-    .venv/bin/python bench/data_path_overhead.py [--configs digits64 digits512 transformer10M] [--steps 200] [--rounds 3]
+    .venv/bin/python bench/data_path_overhead.py [--configs digits64 digits512 transformer10M] [--steps 100] [--rounds 10]
+
+Besides the A/B ratio (which on a loaded machine carries the load's own noise), it reports the
+time spent inside the exact checks as a share of the B runs' time: the checks' own cost.
 
 digits64 / digits512: the digits CNN under Opacus's hooks, batch 64 / 512. transformer10M:
 the decoder-only transformer of examples/_transformer.py (10 M parameters) under ghost
@@ -25,12 +28,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 warnings.filterwarnings("ignore")
 
 
+SPENT = {"seconds": 0.0}  # time inside the exact checks (check and ledger) of the B runs
+
+
+def timed_checks(auditor) -> None:
+    """Adds the time the auditor's exact checks take (the check at a step, the ledger's additions) to SPENT."""
+    check, ledger = auditor.per_sample_check, auditor.per_sample_check.ledger
+
+    def clocked(function):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                SPENT["seconds"] += time.perf_counter() - start
+        return run
+
+    check.check = clocked(check.check)
+    if ledger is not None:
+        ledger.add = clocked(ledger.add)
+
+
 def digits(batch_size: int, every: int):
     from lightning_dpaudit import PrivacyAuditor
     from lightning_dpaudit.integrations.digits import make_private_digits
 
     model, optimizer, loader, _ = make_private_digits(batch_size=batch_size, seed=0)
-    PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every)
+    timed_checks(PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every))
     batches = [b for b in loader if len(b[0])]
     return optimizer, batches, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
 
@@ -50,7 +74,7 @@ def transformer(every: int, size: str = "10M", batch: int = 16, seq_len: int = 6
         data_loader=DataLoader(TensorDataset(tokens), batch_size=batch), criterion=nn.CrossEntropyLoss(),
         noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="ghost",
     )
-    PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every)
+    timed_checks(PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every))
 
     def loss(b):
         logits = model(b[:, :-1])
@@ -80,24 +104,28 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["digits64", "digits512", "transformer10M"])
-    parser.add_argument("--steps", type=int, default=2 * DEFAULT_EVERY)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=DEFAULT_EVERY)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--every", type=int, default=DEFAULT_EVERY)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"| config | audit without the checks (s / {args.steps} steps) | with them, every {args.every} | ratio |")
-    print("| --- | --- | --- | --- |")
+    print(f"| config | audit without the checks (s / {args.steps} steps) | with them, every {args.every} | ratio "
+          "(medians) | ratio (sums) | time inside the checks / B's time |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for config in args.configs:
         runs = {"A": build(config, 0), "B": build(config, args.every)}
         for run in runs.values():
             timed(run, 3, 0)  # warm-up, before the timed steps
+        SPENT["seconds"] = 0.0
         times = {"A": [], "B": []}
         for r in range(args.rounds):
             for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
                 times[name].append(timed(runs[name], args.steps, 3 + r * args.steps))
         a, b = statistics.median(times["A"]), statistics.median(times["B"])
-        print(f"| {config} | {a:.2f} | {b:.2f} | {b / a:.3f} |", flush=True)
+        inside = SPENT["seconds"] / sum(times["B"])
+        print(f"| {config} | {a:.2f} | {b:.2f} | {b / a:.3f} | {sum(times['B']) / sum(times['A']):.3f} | "
+              f"{inside:.2%} |", flush=True)
 
 
 if __name__ == "__main__":
