@@ -44,7 +44,7 @@ class AccumulationLedger:
 
     def _clipped_sum_at_pool(self, samples) -> torch.Tensor:
         flat = [s.reshape(s.shape[0], -1) for s in samples]
-        squares = torch.stack([f.double().pow(2).sum(dim=1) for f in flat])  # (tensors, batch)
+        squares = torch.stack([f.norm(2, dim=1).double() ** 2 for f in flat])  # (tensors, batch); no copy of the rows
         if self.per_layer:  # DPPerLayerOptimizer: each tensor clipped to its own bound
             bounds = torch.as_tensor(self.optimizer.max_grad_norms, dtype=torch.float64, device=squares.device)
             factors = (bounds[:, None] / (squares.sqrt() + 1e-6)).clamp(max=1.0)
