@@ -195,3 +195,23 @@ def test_the_accountant_epsilon_is_the_accountants_own(kind, one_thread):
     assert result.epsilon_accountant == pytest.approx(engine.accountant.get_epsilon(result.delta), abs=1e-6)
     assert engine.accountant.history == history  # asking did not change the accountant
     assert 0 < result.epsilon_lower_bound <= result.epsilon_accountant and math.isfinite(result.epsilon_accountant)
+
+
+def test_the_plain_auditors_warning_points_at_the_users_code():
+    """Without the callback, the default alert is a PrivacyViolationWarning attributed to the training loop's
+    own line (this file), not to a path inside the package, torch or Opacus."""
+    import warnings
+
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.integrations.bugs import inject_bug
+    from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
+
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    inject_bug(optimizer, "no-noise")
+    PrivacyAuditor(optimizer, seed=0, check_every=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_steps(model, optimizer, loader, 3)
+    alerts = [w for w in caught if w.category.__name__ == "PrivacyViolationWarning"]
+    assert len(alerts) == 1 and str(alerts[0].message).startswith("DP AUDIT VIOLATION at step")
+    assert alerts[0].filename == __file__

@@ -19,7 +19,6 @@ recorded (analysis/record.py), results (analysis/assemble.py) and saved state (s
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -43,6 +42,7 @@ from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
 from .pipeline import StepPipeline
 from .state import AuditStateError, check_state, setup_of
+from .user_warning import warn_at_user_code
 
 
 class PrivacyViolationWarning(UserWarning):
@@ -248,7 +248,7 @@ class PrivacyAuditor:
             if self.on_violation is not None:
                 self.on_violation(result)
             else:
-                warnings.warn(violation_message(result), PrivacyViolationWarning, stacklevel=4)
+                warn_at_user_code(violation_message(result), PrivacyViolationWarning)
 
     # ------------------------------------------------------------------ results
 

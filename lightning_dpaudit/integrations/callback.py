@@ -12,14 +12,9 @@ one AuditFailedWarning, and the result's `audit_failed` names it.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import logging
 import math
-import os
-import sys
-import sysconfig
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -31,6 +26,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
 from ..engine.auditor import PrivacyAuditor
 from ..engine.options import SETTINGS, check_accountant, check_settings, flag, integer, one_argument_callable, real
 from ..engine.pipeline import AuditFailedWarning
+from ..engine.user_warning import warn_at_user_code
 from ..analysis.monitor import POOLED
 from .budget import TimeBudget
 from .callback_state import AuditCheckpointing
@@ -44,37 +40,7 @@ LOG = logging.getLogger("lightning_dpaudit")  # the alert's one line (warn and s
 ALERT_TAG = "dpaudit/alert"  # the alert's line as TensorBoard text
 
 
-def _library_paths() -> tuple:
-    """Where the frames a warning should skip live: this package, torch, Opacus, Lightning, the standard library."""
-    paths = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]]
-    for name in ("lightning_dpaudit", "torch", "opacus", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
-                 "lightning"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        for location in (spec.submodule_search_locations or []) if spec is not None else []:
-            paths.append(os.path.join(os.path.realpath(location), ""))
-    return tuple(os.path.join(os.path.realpath(p), "") for p in paths)
-
-
-_LIBRARY_PATHS: Optional[tuple] = None
-
-
-@rank_zero_only
-def _warn_at_user_code(message: str, category) -> None:
-    """warnings.warn(message) attributed to the innermost frame outside the libraries (the user's call of
-    trainer.fit, or of optimizer.step), so no internal path precedes the message."""
-    global _LIBRARY_PATHS
-    if _LIBRARY_PATHS is None:
-        _LIBRARY_PATHS = _library_paths()
-    frame, level = sys._getframe(1), 2  # stacklevel 2: this function's caller
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith("<frozen") or os.path.realpath(name).startswith(_LIBRARY_PATHS)):
-            break
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)  # past the outermost frame: attributed to "sys"
+_warn_at_user_code = rank_zero_only(warn_at_user_code)
 
 
 class PrivacyViolationError(RuntimeError):
