@@ -265,17 +265,9 @@ class PerSampleCheck:
         try:
             if was_enabled:
                 gsm.disable_hooks()
-            leaves, index = self._replay(call)
-            scale = float(call.batch) if getattr(gsm, "loss_reduction", "mean") == "mean" else 1.0
-            wanted = [p for p in self.params if p.requires_grad]
-            expected = []
-            for position, i in enumerate(index):
-                inner = sum((leaves[j][int(i)] * g[position]).sum() for j, g in call.grads.items())
-                last = position == len(call.chosen) - 1
-                grads = dict(zip(map(id, wanted), torch.autograd.grad(inner, wanted, retain_graph=not last,
-                                                                        allow_unused=True)))
-                expected.append([None if grads.get(id(p)) is None else scale * grads[id(p)] for p in self.params])
-            return expected
+            with warnings.catch_warnings():  # Opacus's switched-off backward hooks still fire (and warn) here
+                warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+                return self._expected(call, gsm)
         finally:
             self.replaying = False
             if was_enabled:
@@ -283,6 +275,20 @@ class PerSampleCheck:
             with torch.no_grad():
                 for b, copy in buffers:
                     b.copy_(copy)
+
+    def _expected(self, call: Call, gsm) -> list:
+        """The replay, then one backward pass per chosen example, scaled as Opacus scales its backprops."""
+        leaves, index = self._replay(call)
+        scale = float(call.batch) if getattr(gsm, "loss_reduction", "mean") == "mean" else 1.0
+        wanted = [p for p in self.params if p.requires_grad]
+        expected = []
+        for position, i in enumerate(index):
+            inner = sum((leaves[j][int(i)] * g[position]).sum() for j, g in call.grads.items())
+            last = position == len(call.chosen) - 1
+            grads = dict(zip(map(id, wanted), torch.autograd.grad(inner, wanted, retain_graph=not last,
+                                                                    allow_unused=True)))
+            expected.append([None if grads.get(id(p)) is None else scale * grads[id(p)] for p in self.params])
+        return expected
 
     def _replay(self, call: Call):
         """(output leaves, the chosen examples' rows in them): the chosen examples alone when that reproduces
