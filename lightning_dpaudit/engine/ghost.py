@@ -50,9 +50,11 @@ class GhostClipping:
     when columns[l] is None. Returns one sum per tensor, of the rows' shape without k.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], module: Callable[[], Optional[torch.nn.Module]]):
+    def __init__(self, params: Sequence[torch.Tensor], module: Callable[[], Optional[torch.nn.Module]],
+                 names: Optional[Sequence[str]] = None):
         self.params = list(params)
-        self.names = [f"param{i}{tuple(p.shape)}" for i, p in enumerate(self.params)]  # the kind's names, once known
+        # the tensors' names for findings: the kind's list, which the model's first forward pass fills in place
+        self.names = names if names is not None else [f"param{i}{tuple(p.shape)}" for i, p in enumerate(self.params)]
         self.module = module
         self._owners = None  # per tensor: the submodule owning it
         self.note_problem: Callable[[str, str, bool], None] = lambda code, message, alarm: None

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .forward_replay import EPS32, Call, first_gradient, precision, same_rows, sliced, smallest_module_holding, tensors
+from .instance_patch import InstancePatch
 
 RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
 ATOL = 1e-4  # relative to the example's whole gradient norm (one unit roundoff, if larger)
@@ -88,20 +89,16 @@ class PerSampleCheck:
 
     def _wrap_accumulate(self) -> None:
         """The optimizer's accumulation of a physical batch (on the instance) first feeds the ledger at checked steps."""
-        opt = self.optimizer
-        name = "accumulate" if self.ghost else "clip_and_accumulate"
-        self._wrapped = (name, name in vars(opt), vars(opt).get(name))
-        original = getattr(opt, name)
-
         def accumulate(*args, **kwargs):
             if not self.replaying and self.due(self.steps()):
                 try:
                     self.ledger.add()
                 except Exception as error:  # the check's own failure never ends training
                     self._stop(error, self.steps())
-            return original(*args, **kwargs)
+            return patch.original(*args, **kwargs)
 
-        setattr(opt, name, accumulate)
+        patch = self._wrapped = InstancePatch(self.optimizer, "accumulate" if self.ghost else "clip_and_accumulate",
+                                              accumulate)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.failed is None and step % self.every == 1 % self.every
@@ -323,9 +320,5 @@ class PerSampleCheck:
             h.remove()
         self.handles, self.calls = [], []
         if self._wrapped is not None:
-            name, had_own, previous = self._wrapped
-            if had_own:
-                setattr(self.optimizer, name, previous)
-            else:
-                delattr(self.optimizer, name)
+            self._wrapped.restore()
             self._wrapped = None

@@ -49,8 +49,7 @@ def canary_kind_for(optimizer, mechanism, options, model, rng):
     if found is not None:
         owner.set(found)
     if is_ghost(optimizer):
-        probe.ghost = GhostClipping(params, owner)
-        probe.ghost.names = names  # filled in place when the model names its tensors
+        probe.ghost = GhostClipping(params, owner, names)
     kind = GradientCanaries(
         sampler, probe, layer_names=names,
         layer_claims=layer_claims_of(mechanism),

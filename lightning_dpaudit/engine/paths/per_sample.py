@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kinds.base import Planted, ReleaseView
+from ..instance_patch import InstancePatch
 from ..probe import CanarySum, GradientProbe
 from .base import AuditNoise, LocalChecks, PathSettings, no_canaries
 
@@ -30,17 +31,11 @@ class PerSampleRelease(LocalChecks):
         self.audit_noise = AuditNoise(settings.noise_seed)
 
     def attach(self, audited_step) -> None:
-        opt = self.optimizer
-        self._had_own_add_noise = "add_noise" in vars(opt)
-        self._previous_add_noise = vars(opt).get("add_noise")
-        self.add_noise = opt.add_noise
-        opt.add_noise = audited_step
+        self._patch = InstancePatch(self.optimizer, "add_noise", audited_step)
+        self.add_noise = self._patch.original
 
     def detach(self) -> None:
-        if self._had_own_add_noise:
-            self.optimizer.add_noise = self._previous_add_noise
-        else:
-            del self.optimizer.add_noise
+        self._patch.restore()
 
     def release_plain(self) -> None:
         self.add_noise()

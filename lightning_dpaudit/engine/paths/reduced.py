@@ -158,12 +158,15 @@ class ReducedRelease(DistributedChecks, PerSampleRelease):
         alerts with it."""
         fired_anywhere, certain = self.collectives.sum(np.array([bool(fired), SETUP in fired], dtype=float)) > 0
         if fired_anywhere and not fired:
-            note_problem(*(("exact_check_other_rank", "another rank's exact checks found a problem in its own data "
-                            "path (named in that rank's findings)") if certain else (
-                "rank_disagreement",
-                "another rank's audit fired while this rank's did not: the ranks released different "
-                "gradients (the all-reduce after the noise is missing or altered), so the replicas do not "
-                "apply one noised update",
-            )))
+            if certain:
+                note_problem("exact_check_other_rank", "another rank's exact checks found a problem in its own data "
+                             "path (named in that rank's findings)")
+            else:
+                note_problem(
+                    "rank_disagreement",
+                    "another rank's audit fired while this rank's did not: the ranks released different "
+                    "gradients (the all-reduce after the noise is missing or altered), so the replicas do not "
+                    "apply one noised update",
+                )
             fired = recheck()
         return fired
