@@ -6,10 +6,17 @@ every 100 steps) with its own seed; any exact finding on these correct runs is c
 also judged by the naive rule the alarm replaces: fixed-sample 95% Clopper-Pearson mu
 bounds for the pool and each tensor, recomputed after every step.
 
-    .venv/bin/python bench/false_alarms.py [--runs 200] [--steps 1000] [--workers 2] [--mode hooks|ghost]
+    .venv/bin/python bench/false_alarms.py [--runs 200] [--steps 1000] [--workers 2] [--mode MODE]
 
---mode ghost: the token classifier of tests/ghost_setups.py (Embedding, Linear on flattened
-tokens, LayerNorm) under Opacus's ghost clipping, default audit; no naive rule.
+Modes (the naive rule is replayed for `hooks` only):
+  hooks       the digits CNN, Opacus's hooks (the default)
+  functorch   the same, grad_sample_mode="functorch"
+  ew          the same, grad_sample_mode="ew" (torch's expanded weights)
+  paired      the same, hooks, the audit in paired mode
+  adaclip     the same under AdaClipDPOptimizer (clipping="adaptive", its count noised at 2 sigma)
+  mislabeled  the same, hooks, input canaries (held-out digits with wrong labels)
+  ghost       the token classifier of tests/ghost_setups.py (Embedding, Linear on flattened
+              tokens, LayerNorm) under Opacus's ghost clipping
 """
 
 import argparse
@@ -63,6 +70,17 @@ def _run_ghost(seed, steps, sigma):
     return result.violation, None, sorted({f.code for f in result.findings} & EXACT_CODES)
 
 
+ADAPTIVE = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.01,
+                unclipped_num_std=2.0)
+DIGITS_MODES = {  # train_audited's arguments beyond steps, sigma and seed
+    "functorch": dict(private_options={"grad_sample_mode": "functorch"}),
+    "ew": dict(private_options={"grad_sample_mode": "ew"}),
+    "paired": dict(mode="paired"),
+    "adaclip": dict(clipping="adaptive", private_options=ADAPTIVE),
+    "mislabeled": dict(canary="mislabeled"),
+}
+
+
 def _run(args):
     seed, steps, sigma, mode = args
     if mode == "ghost":
@@ -74,6 +92,10 @@ def _run(args):
     warnings.filterwarnings("ignore")
     from lightning_dpaudit.engine.options import DEFAULT_GRADIENT_CANARIES
 
+    if mode != "hooks":
+        result = train_audited(steps=steps, noise_multiplier=sigma, seed=10_000 + seed, **DIGITS_MODES[mode])
+        failed = [] if result.audit_failed is None else ["audit_failed"]
+        return result.violation, None, sorted({f.code for f in result.findings} & EXACT_CODES) + failed
     result, obs = train_audited(
         steps=steps, noise_multiplier=sigma, seed=10_000 + seed, return_observations=True,
         observation_window=steps * DEFAULT_GRADIENT_CANARIES,  # the naive rule replays every observation
@@ -88,7 +110,7 @@ def main():
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--mode", choices=["hooks", "ghost"], default="hooks")
+    parser.add_argument("--mode", choices=["hooks", "ghost", *DIGITS_MODES], default="hooks")
     args = parser.parse_args()
     start = time.perf_counter()
     jobs = [(seed, args.steps, args.sigma, args.mode) for seed in range(args.runs)]

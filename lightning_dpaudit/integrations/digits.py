@@ -74,6 +74,7 @@ def make_private_digits(
     loss_reduction: str = "mean",
     accountant: str = "rdp",
     holdout: int = 0,
+    **private_options,
 ) -> Tuple[nn.Module, DPOptimizer, DataLoader, PrivacyEngine]:
     """Build the digits data, a DigitsCNN and SGD, and make them private with Opacus.
 
@@ -84,6 +85,8 @@ def make_private_digits(
     parameter tensors (each gets ``max_grad_norm / sqrt(k)``), so the joint
     bound, and hence the noise, equals the flat case; a sequence is used as given.
     ``holdout`` examples at the end are left out of training (``digits_holdout``).
+    Other keyword arguments go to ``make_private`` as they are (``grad_sample_mode="functorch"``,
+    ``clipping="adaptive"`` with its options, ...).
     """
     torch.manual_seed(seed)
     dataset = digits_dataset(dtype=dtype)
@@ -112,6 +115,7 @@ def make_private_digits(
         loss_reduction=loss_reduction,
         # A separate stream from the sampler's, so batch choice and noise are not correlated.
         noise_generator=torch.Generator().manual_seed(seed + 1),
+        **private_options,
     )
     return model, optimizer, data_loader, privacy_engine
 

@@ -46,6 +46,7 @@ def train_audited(
     stop_on_violation: bool = False,
     return_observations: bool = False,
     holdout: int = 0,
+    private_options: Optional[dict] = None,
     **auditor_options,
 ):
     """Train the digits CNN for `steps` noised steps under a PrivacyAuditor; return its result.
@@ -56,7 +57,8 @@ def train_audited(
     `observation_window` observations, 65,536 unless given). Input canaries get the
     last HOLDOUT digits, left out of training, as their in-distribution sample. The audit
     checks after every step unless `check_every` is given: a test wants the step at which
-    a bug shows itself (and training stops there with stop_on_violation).
+    a bug shows itself (and training stops there with stop_on_violation). private_options go to
+    Opacus's make_private (e.g. ``{"grad_sample_mode": "functorch"}``).
     """
     canary = auditor_options.get("canary")
     if (isinstance(canary, InputCanaries) or canary in INPUT_KINDS) and "canary_inputs" not in auditor_options:
@@ -71,6 +73,7 @@ def train_audited(
         seed=seed,
         dtype=dtype,
         loss_reduction=loss_reduction,
+        **(private_options or {}),
     )
     if transform is not None:
         optimizer = transform(optimizer)
