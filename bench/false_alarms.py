@@ -15,6 +15,8 @@ Modes (the naive rule is replayed for `hooks` only):
   paired      the same, hooks, the audit in paired mode
   adaclip     the same under AdaClipDPOptimizer (clipping="adaptive", its count noised at 2 sigma)
   mislabeled  the same, hooks, input canaries (held-out digits with wrong labels)
+  ddp         two processes (gloo, 127.0.0.1) training an MLP with Opacus's DistributedDPOptimizer,
+              fixed batches; runs one after another in the same two processes (--workers ignored)
   ghost       the token classifier of tests/ghost_setups.py (Embedding, Linear on flattened
               tokens, LayerNorm) under Opacus's ghost clipping
 """
@@ -104,15 +106,48 @@ def _run(args):
     return result.violation, _naive_alarm(obs, result.mu_claimed), exact
 
 
+def _ddp(args, start):
+    """The ddp mode: batches of runs in two fresh processes each, a rank's outcome per run (both ranks must agree)."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from ddp_scenarios import launch
+
+    alarms, exact, failed, disagree = 0, [], [], 0
+    for first in range(0, args.runs, 10):
+        seeds = list(range(first, min(first + 10, args.runs)))
+        with tempfile.TemporaryDirectory() as out:
+            ranks = launch("false_alarms", Path(out), timeout=60.0 * len(seeds) * max(1, args.steps // 100),
+                           seeds=seeds, steps=args.steps, sigma=args.sigma)
+        for seed, outcome, other in zip(seeds, ranks[0]["outcomes"], ranks[1]["outcomes"]):
+            disagree += outcome["violation"] != other["violation"]
+            alarms += outcome["violation"] or other["violation"]
+            codes = sorted(set(outcome["codes"] + other["codes"]) & EXACT_CODES)
+            if codes:
+                exact.append((seed, codes))
+            if outcome["audit_failed"] or other["audit_failed"]:
+                failed.append(seed)
+        print(f"  {seeds[-1] + 1}/{args.runs} runs, {alarms} alarms", flush=True)
+    print(f"mode=ddp runs={args.runs} steps={args.steps} sigma={args.sigma} ({time.perf_counter() - start:.0f} s)")
+    print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%); "
+          f"ranks disagreeing: {disagree}; audits failed: {len(failed)}")
+    print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
+          f"{exact or ''}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--mode", choices=["hooks", "ghost", *DIGITS_MODES], default="hooks")
+    parser.add_argument("--mode", choices=["hooks", "ghost", "ddp", *DIGITS_MODES], default="hooks")
     args = parser.parse_args()
     start = time.perf_counter()
+    if args.mode == "ddp":
+        return _ddp(args, start)
     jobs = [(seed, args.steps, args.sigma, args.mode) for seed in range(args.runs)]
     with Pool(args.workers) as pool:
         outcomes = []

@@ -211,6 +211,24 @@ class _Stop(Exception):
     pass
 
 
+def false_alarms(rank, world, options):
+    """Correct audited runs one after another (bench/false_alarms.py --mode ddp): per run, whether the
+    alarm ever fired and which exact data-path findings or failures were recorded."""
+    from lightning_dpaudit import PrivacyAuditor
+
+    outcomes = []
+    for seed in options["seeds"]:
+        module, optimizer, loader, _ = _private(rank, world, noise_seed=10_000 + seed,
+                                               noise_multiplier=float(options.get("sigma", 1.0)))
+        auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None)
+        _train(module, optimizer, loader, int(options["steps"]))
+        result = auditor.result()
+        outcomes.append({"violation": bool(result.violation), "codes": sorted({f.code for f in result.findings}),
+                         "audit_failed": result.audit_failed, "steps": result.steps})
+        auditor.detach()
+    return {"outcomes": outcomes}
+
+
 def plain_optimizer(rank, world, options):
     """make_private on an unwrapped module under a job of two processes: a plain DPOptimizer."""
     from lightning_dpaudit import PrivacyAuditor
