@@ -8,7 +8,9 @@ time spent inside the exact checks as a share of the B runs' time: the checks' o
 
 digits64 / digits512: the digits CNN under Opacus's hooks, batch 64 / 512. transformer10M:
 the decoder-only transformer of examples/_transformer.py (10 M parameters) under ghost
-clipping, batch 16 of 64 tokens. Each timing covers `--steps` steps (a multiple of the
+clipping, batch 16 of 64 tokens. dropout64 / dropout512: the digits CNN with dropout (p = 0.2) after
+its hidden layer, whose examples' outputs cannot be reproduced alone, so each check replays the whole
+batch from its random state. Each timing covers `--steps` steps (a multiple of the
 check interval, so it holds its share of checked steps).
 """
 
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 warnings.filterwarnings("ignore")
 
 
+REPLAYS = []  # the dropout runs' replay counts (examples alone, whole batch), printed at the end
 SPENT = {"seconds": 0.0}  # time inside the exact checks (check and ledger) of the B runs
 
 
@@ -59,6 +62,28 @@ def digits(batch_size: int, every: int):
     return optimizer, batches, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
 
 
+def dropout(batch_size: int, every: int):
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader
+
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
+
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    model.classifier.insert(3, nn.Dropout(0.2))
+    model, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(digits_dataset(), batch_size=batch_size, shuffle=True), noise_multiplier=1.0,
+        max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(1),
+    )
+    auditor = PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every)
+    timed_checks(auditor)
+    REPLAYS.append(auditor.per_sample_check.replays)
+    batches = [b for b in loader if len(b[0])]
+    return optimizer, batches, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
+
+
 def transformer(every: int, size: str = "10M", batch: int = 16, seq_len: int = 64):
     from _transformer import SIZES, build_model, markov_tokens
     from opacus import PrivacyEngine
@@ -86,6 +111,8 @@ def transformer(every: int, size: str = "10M", batch: int = 16, seq_len: int = 6
 def build(config: str, every: int):
     if config == "transformer10M":
         return transformer(every)
+    if config.startswith("dropout"):
+        return dropout(int(config.removeprefix("dropout")), every)
     return digits(int(config.removeprefix("digits")), every)
 
 
@@ -126,6 +153,10 @@ def main() -> None:
         inside = SPENT["seconds"] / sum(times["B"])
         print(f"| {config} | {a:.2f} | {b:.2f} | {b / a:.3f} | {sum(times['B']) / sum(times['A']):.3f} | "
               f"{inside:.2%} |", flush=True)
+    for replays in REPLAYS:
+        if replays["examples"] or replays["batch"]:
+            print(f"dropout run's checks replayed the examples alone {replays['examples']} time(s), the whole batch "
+                  f"{replays['batch']} time(s)")
 
 
 if __name__ == "__main__":
