@@ -22,10 +22,67 @@ from typing import Dict, List
 
 import numpy as np
 
-from .monitor import POOLED, AnytimeMonitor
+from .monitor import MONITOR, POOLED, AnytimeMonitor, _groups
+from .schema import Field, Section
 
 FIRST_SHARE = 0.95
 SEGMENT_WIDTH = 0.01  # claims within 1% (in log) share a segment
+
+
+CLAIMS = Field("claims", "map", rule=_groups, items=Field("claim", "real", low=1e-300))  # claimed mu per group, > 0
+
+
+def _has_pooled(claims, ctx):
+    return None if POOLED in claims else f"has no pooled claim (group {POOLED})"
+
+
+# A later segment: its claims, then its monitor's state.
+SEGMENT = Section("segment", Field("claims", "map", rule=lambda v, c: _groups(v, c) or _has_pooled(v, c),
+                                   items=CLAIMS.items), *MONITOR.fields)
+
+
+def _key_of(claims: dict) -> tuple:
+    claims = {int(g): float(c) for g, c in claims.items()}
+    pooled = claims.pop(POOLED)
+    return claim_key(claims, pooled)
+
+
+def _opening_claims(state, ctx):
+    """The first segment's claims are the set-up's (ctx["claims"], what the auditor starts with), or within
+    their 1% segment and above them (a claim of the same segment raised by a later step)."""
+    opening, saved = ctx.get("claims"), state.get("claims")
+    if opening is None or saved is None:
+        return None
+    for group, claim in saved.items():
+        start = opening.get(int(group))
+        if start is None:
+            return "claims", f"has group {group}, which this set-up does not have"
+        if claim < start * (1 - 1e-9) or claim_key({}, claim) != claim_key({}, start):
+            return (f"claims[{group}]", f"is {claim!r}; the set-up claims mu = {start!r} (its noise multiplier and "
+                    "clipping bounds): a claim saved by another set-up or altered")
+    return None
+
+
+def _distinct_segments(state, ctx):
+    """Segments hold different claims (open() merges equal ones), and `current` is one of them."""
+    later = state.get("segments", [])
+    keys = [_key_of(s["claims"]) for s in later]
+    if state.get("claims") is not None and POOLED in state["claims"]:
+        keys.insert(0, _key_of(state["claims"]))
+    if len(set(keys)) != len(keys):
+        return "segments", "holds two segments of the same claims; segments are saved once per claim"
+    current = state.get("current", 0)
+    if not current <= len(later):
+        return "current", f"is {current}, but the state has {len(later) + 1} segments"
+    return None
+
+
+# The whole monitor: the first segment's state at the top level (as an unsegmented monitor saves it), later ones in a list.
+SEGMENTED = Section(
+    "monitor", *MONITOR.fields, Field("claims", "map", rule=CLAIMS.rule, items=CLAIMS.items, optional=True),
+    Field("segments", "list", items=SEGMENT, optional=True), Field("current", "int", low=0, optional=True),
+    rules=(_opening_claims, _distinct_segments),
+)
 
 
 def later_share(k: int) -> float:
@@ -47,6 +104,7 @@ class SegmentedMonitor:
         self.segments: List[AnytimeMonitor] = []
         self.keys: Dict[tuple, int] = {}
         self._reported: set = set()  # groups whose alarm check() has returned
+        self.opening = {POOLED: float(pooled_claim), **{int(g): float(c) for g, c in layer_claims.items()}}
         self.current = self.open(layer_claims, pooled_claim)
 
     def open(self, layer_claims: Dict[int, float], pooled_claim: float) -> int:
@@ -137,11 +195,14 @@ class SegmentedMonitor:
 
     def state_dict(self) -> dict:
         """The first segment's state at the top level (as an unsegmented monitor saves it), later ones in a list."""
-        later = [{"claims": {int(g): float(c) for g, c in s.claims.items()}, **s.state_dict()} for s in self.segments[1:]]
+        later = [SEGMENT.dump({"claims": {int(g): float(c) for g, c in s.claims.items()}, **s.state_dict()})
+                 for s in self.segments[1:]]
         first_claims = {int(g): float(c) for g, c in self.segments[0].claims.items()}
-        return {**self.segments[0].state_dict(), "claims": first_claims, "segments": later, "current": self.current}
+        return SEGMENTED.dump({**self.segments[0].state_dict(), "claims": first_claims, "segments": later,
+                               "current": self.current})
 
     def load_state_dict(self, state: dict) -> None:
+        """A state SEGMENTED.check passed (with ctx["claims"] = this monitor's `opening`)."""
         first = self.segments[0]
         del self.segments[1:]
         self.keys = {key: i for key, i in self.keys.items() if i == 0}

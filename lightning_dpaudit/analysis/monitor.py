@@ -22,11 +22,39 @@ from scipy.special import ndtri
 
 from ..estimators.bounds import DEFAULT_THRESHOLD as THRESHOLD  # the estimators' fixed threshold
 from ..estimators.sequential import anytime_mu_lower
+from .schema import Field, Section, is_int, is_whole
 
 POOLED = -1
 REPEATS = -2  # the noise-repeat test (NoiseFingerprints), flagged by the auditor
 CORRELATED = -4  # the noise-correlation test (NoiseCorrelation), flagged by the record
 SETUP = -3  # set-up problems found with certainty outside the canaries (distributed.py), flagged by the auditor
+SPECIAL_GROUPS = (POOLED, REPEATS, SETUP, CORRELATED)
+
+
+def _groups(value, ctx) -> "str | None":
+    """Keys are groups: the special ones, or a tensor (observation group) below ctx["groups"]."""
+    groups = ctx.get("groups")
+    for key in value:
+        if not is_int(key) or (key < 0 and key not in SPECIAL_GROUPS) or (groups is not None and key >= groups):
+            within = f"0 to {groups - 1}" if groups is not None else "0 and up"
+            return f"has group {key!r}; groups are {', '.join(map(str, SPECIAL_GROUPS))} and the tensors {within}"
+    return None
+
+
+def _count_row(row, ctx) -> "str | None":
+    values = np.asarray(row, dtype=object).ravel().tolist() if np.ndim(row) else [row]
+    if np.shape(row) != (4,) or not all(is_whole(v) and v >= 0 for v in values):
+        return f"are {values}; counts are 4 whole numbers >= 0"
+    return None
+
+
+# One claim segment's monitor (claim_segments.py keeps the first one's at the top level of its state).
+MONITOR = Section(
+    "monitor",
+    Field("counts", "map", rule=_groups, items=Field("row", "any", rule=_count_row), label="{parent} counts for group {key}"),
+    Field("bounds", "map", rule=_groups, items=Field("bound", "real", low=0.0, finite="no-nan")),
+    Field("first_violation", "map", rule=_groups, items=Field("step", "int", low=0)),
+)
 
 
 class AnytimeMonitor:
@@ -144,13 +172,14 @@ class AnytimeMonitor:
         return self.bounds[group]
 
     def state_dict(self) -> dict:
-        return {
+        return MONITOR.dump({
             "counts": {int(g): c.tolist() for g, c in self.counts.items()},
             "bounds": {int(g): float(b) for g, b in self.bounds.items()},
             "first_violation": {int(g): int(s) for g, s in self.first_violation.items()},
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
+        """A state MONITOR.check passed (the auditor checks the whole state before loading any part)."""
         for g, c in state.get("counts", {}).items():
             self.counts[int(g)] = np.asarray(c, dtype=np.int64)
         self.bounds.update({int(g): float(b) for g, b in state.get("bounds", {}).items()})

@@ -47,6 +47,8 @@ from typing import Optional
 
 import numpy as np
 
+from .schema import Field, Section
+
 QUIET = 1e-3  # |noise| below this (x sigma*C) is no noise: its sign is not counted
 RHO = 16.0  # mixture precision: the boundary is tightest around T of a few RHO to a few hundred
 
@@ -75,6 +77,19 @@ def boundary(pairs, a: float, rho: float = RHO):
     """The normal-mixture boundary on |S_T| after T = `pairs` pairs at level a (int or array)."""
     t = np.asarray(pairs, dtype=np.float64) + rho
     return np.sqrt(t * (2.0 * math.log(1.0 / a) + np.log(t / rho)))
+
+
+# The noise-correlation test's state (`load_state_dict` reads a state CORRELATION.check passed).
+CORRELATION = Section(
+    "correlation",
+    Field("lags", "int", low=1),
+    Field("n", "int", low=0),
+    Field("signs", "array", dtype="real", low=-1.0, high=1.0),
+    Field("labels", "array", dtype="int", low=0),
+    Field("sums", "array", dtype="real"),
+    Field("first", "list", null=True, items=Field("step", "int"),
+          rule=lambda v, ctx: None if len(v) == 3 else f"is {list(v)!r}; expected (step, earlier step, lag)"),
+)
 
 
 class NoiseCorrelation:
@@ -175,14 +190,14 @@ class NoiseCorrelation:
         """The window (signs as int8, oldest first), its labels, the sums and the first crossing."""
         k = min(self.n, self.lags)
         order = (self.n - k + np.arange(k)) % self.lags
-        return {
+        return CORRELATION.dump({
             "lags": self.lags,
             "n": self.n,
             "signs": np.sign(self._signs[order]).astype(np.int8),
             "labels": self._labels[order].copy(),
             "sums": self.sums,
             "first": None if self.first is None else list(self.first),
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
         """Replace this object's history by a saved one of the same window and sentinels."""

@@ -66,10 +66,31 @@ from typing import Optional
 import numpy as np
 from scipy.stats import binom
 
+from .schema import Field, Section
+
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 _GOLDEN = 0x9E3779B97F4A7C15  # multiplicative hashing constant (2^64 / golden ratio, odd)
 _MIN_SLOTS = 1024
+
+
+def _pair_field(name: str) -> Field:
+    return Field(name, "list", null=True, optional=True, items=Field("step", "int", low=0),
+                 rule=lambda v, ctx: None if len(v) == 2 else f"is {list(v)!r}; expected (step, earlier step)")
+
+
+# The noise-repeat test's state (`load_state_dict` reads a state FINGERPRINTS.check passed).
+FINGERPRINTS = Section(
+    "fingerprints",
+    Field("bits", "int", low=64, rule=lambda v, ctx: None if v == ctx.get("sentinels", v) else
+          f"is {v}; this audit fingerprints {ctx['sentinels']} sentinel coordinates"),
+    Field("alpha", "real", low=0.0, high=1.0),
+    Field("fingerprints", "array", dtype="int", low=0),
+    Field("step_runs", "array", dtype="int"),
+    Field("matches", "int", low=0, optional=True),
+    _pair_field("first_repeat"), _pair_field("last_repeat"),
+    Field("first_negated", "bool", optional=True), Field("last_negated", "bool", optional=True),
+)
 
 
 class NoiseFingerprints:
@@ -270,7 +291,7 @@ class NoiseFingerprints:
 
     def state_dict(self) -> dict:
         """Plain values and numpy arrays; the band index is not saved."""
-        return {
+        return FINGERPRINTS.dump({
             "bits": self.bits,
             "alpha": self.alpha,
             "fingerprints": self._fp[: self._n].copy(),
@@ -280,7 +301,7 @@ class NoiseFingerprints:
             "last_repeat": self.last_repeat,
             "first_negated": self.first_negated,
             "last_negated": self.last_negated,
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
         """Replace this object's history by a saved one and rebuild the index.

@@ -48,6 +48,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from .schema import Field, Section
+
 COLUMNS = ("step", "layer", "kind", "is_in", "value")
 _DTYPES = {"step": np.int64, "layer": np.int32, "kind": np.int16, "is_in": bool, "value": np.float64}
 
@@ -57,6 +59,67 @@ HIGH = 21.0  # last finite edge: the range is symmetric about the midpoint 0.5 o
 DEFAULT_WINDOW = 65_536
 MAX_WINDOW = 2**26  # rows of the window, preallocated: 23 bytes each, 1.5 GB at most
 STATE_FORMAT = 2
+
+
+def _bins_rule(bins, ctx):
+    per_unit = bins["per_unit"]
+    return None if per_unit & (per_unit - 1) == 0 else f"has per_unit {per_unit}; the bin width must be 1/2^k"
+
+
+def _log_rule(state, ctx):
+    """Columns of one length; histograms of the saved bins, counting every observation; moments within them."""
+    lengths = {c: np.size(state[c]) for c in COLUMNS}
+    if len(set(lengths.values())) != 1:
+        return COLUMNS[0], f"and the other columns have different lengths {lengths}: the rows are cut"
+    kinds = state.get("kinds")
+    if kinds is not None and lengths["kind"] and int(np.max(state["kind"])) >= len(kinds):
+        return "kind", f"names kind {int(np.max(state['kind']))}; the state has {len(kinds)} kinds"
+    if "counts" not in state:  # the earlier format: the rows are the whole log
+        return None
+    for name in ("bins", "total"):
+        if name not in state:
+            return name, "is missing (a state with histograms has its bins and total)"
+    counts = np.asarray(state["counts"])
+    if counts.ndim != 3 or counts.shape[0] != state["bins"]["count"] + 2 or counts.shape[2] != 2:
+        return None, (f"observation counts of shape {counts.shape} do not match {state['bins']['count']} bins: "
+                      "`log.counts` is not the histograms of the saved bins")
+    if (counts != np.round(counts)).any():
+        return "counts", "holds a fraction; counts are whole numbers"
+    if int(counts.sum()) != state["total"]:
+        return "total", f"is {state['total']}, but the histograms count {int(counts.sum())} observations"
+    if lengths["value"] > state["total"]:
+        return "value", f"holds {lengths['value']} rows, but the log counts only {state['total']} observations"
+    if "moments" in state:
+        moments = np.asarray(state["moments"], dtype=float)
+        if moments.shape != (counts.shape[1], 2, 3):
+            return "moments", f"has shape {moments.shape}; the histograms have {counts.shape[1]} layers: expected ({counts.shape[1]}, 2, 3)"
+        n = moments[..., 0]
+        if (n != np.round(n)).any() or (n > counts.sum(axis=0)).any():
+            return "moments", "counts more finite observations than the histograms hold, or a fraction of one"
+        if (moments[..., 2] < 0).any():
+            return "moments", "holds a negative sum of squares"
+    return None
+
+
+# The observation log's state (`load_state_dict` reads a state LOG.check passed).
+LOG = Section(
+    "log",
+    Field("format", "int", low=STATE_FORMAT, high=STATE_FORMAT, optional=True),
+    Field("kinds", "list", items=Field("kind", "str"), optional=True),
+    Field("bins", Section("bins", Field("first", "int"), Field("count", "int", low=1), Field("per_unit", "int", low=1)),
+          rule=_bins_rule, optional=True),
+    Field("counts", "array", dtype="real", low=0, optional=True),  # whole numbers, checked with the shape
+    Field("moments", "array", dtype="real", finite="no-nan", optional=True),  # a square beyond the float range is inf
+    Field("total", "int", low=0, optional=True),
+    Field("step", "array", dtype="int", low=0),
+    Field("layer", "array", dtype="int", low=0, rule=lambda v, ctx: (
+        f"names layer {int(np.max(v))}; the set-up has {ctx['groups']}" if np.size(v) and ctx.get("groups") is not None
+        and int(np.max(v)) >= ctx["groups"] else None)),
+    Field("kind", "array", dtype="int", low=0),
+    Field("is_in", "array", dtype="bool"),
+    Field("value", "array", dtype="real", finite=False),  # NaN observations are part of the log (underflow)
+    rules=(_log_rule,),
+)
 
 
 class ObservationLog:
@@ -254,7 +317,7 @@ class ObservationLog:
     def state_dict(self) -> dict:
         """Plain values and numpy arrays; the size is set by the bins, the layers and the window."""
         rows = {c: self._window_rows(c) for c in COLUMNS}
-        return {
+        return LOG.dump({
             "format": STATE_FORMAT,
             "kinds": list(self.kinds),
             "bins": {"first": self._first, "count": self._bins, "per_unit": self._per_unit},
@@ -262,7 +325,7 @@ class ObservationLog:
             "moments": self._moments.copy(),
             "total": int(self.total),
             **rows,
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a state of this format, or rebuild histograms and window from the earlier full columns.

@@ -20,18 +20,36 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .claim_segments import SegmentedMonitor
+from .claim_segments import SEGMENTED, SegmentedMonitor
 from .monitor import CORRELATED, REPEATS, SETUP
-from .noise_correlation import NoiseCorrelation
-from .noise_fingerprints import NoiseFingerprints
-from .observations import ObservationLog
+from .noise_correlation import CORRELATION, NoiseCorrelation
+from .noise_fingerprints import FINGERPRINTS, NoiseFingerprints
+from .observations import LOG, ObservationLog
 from .results import Finding
+from .schema import Field, Section, is_int
 
 SENTINELS = 128  # pool coordinates whose noise is fingerprinted every step
 REPEAT_ALPHA = 1e-6  # false-alarm budget of the noise-repeat test, taken from the pooled test's share
 FRESHNESS_SHARE = 0.01  # share of alpha taken by the noise-correlation test, from the pooled test's share
 LAGS = 512  # recent steps whose noise each step's is correlated with
 QUIET_NOISE = 1e-3  # sentinel noise below this RMS (x sigma*C) is no noise: nothing to fingerprint
+
+
+PROBLEM = Field("problem", "list", rule=lambda v, ctx: None if (
+    len(v) == 3 and isinstance(v[0], str) and isinstance(v[1], str) and is_int(v[2]) and v[2] >= 0
+) else f"is {v!r}; expected [code, message, first step]")
+
+# What an audit has seen, as saved (ctx: "groups", "sentinels", "claims"; see engine/state.py).
+RECORD = Section(
+    "record",
+    Field("alerted", "bool", optional=True),
+    Field("failed", "str", null=True, optional=True),
+    Field("correlation", CORRELATION, optional=True),  # a state saved before the correlation test has none
+    Field("fingerprints", FINGERPRINTS),
+    Field("log", LOG),
+    Field("monitor", SEGMENTED),
+    Field("problems", "list", items=PROBLEM, optional=True),
+)
 
 
 @dataclass(frozen=True)
@@ -118,7 +136,7 @@ class AuditRecord:
         return [] if self.alerted else sorted(self.monitor.first_violation)
 
     def state_dict(self) -> dict:
-        return {
+        return RECORD.dump({
             "alerted": self.alerted,
             "failed": self.failed,
             "correlation": self.correlation.state_dict(),
@@ -126,16 +144,11 @@ class AuditRecord:
             "log": self.log.state_dict(),
             "monitor": self.monitor.state_dict(),
             "problems": [[f.code, f.message, f.first_step] for f in self.problems],
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore each part; a part that cannot be read raises ValueError naming it."""
-        alerted, failed = state.get("alerted", False), state.get("failed")
-        if not isinstance(alerted, (bool, np.bool_)):
-            raise ValueError(f"`alerted` is {alerted!r}; expected True or False")
-        if failed is not None and not isinstance(failed, str):
-            raise ValueError(f"`failed` is {failed!r}; expected the cause (a string) or None")
-        self.alerted, self.failed = bool(alerted), failed
+        """Restore each part of a state RECORD.check passed; a part that cannot be read raises ValueError naming it."""
+        self.alerted, self.failed = bool(state.get("alerted", False)), state.get("failed")
         parts = [("fingerprints", self.fingerprints), ("log", self.log), ("monitor", self.monitor)]
         if "correlation" in state:  # a state saved before the correlation test: its window starts afresh
             parts.append(("correlation", self.correlation))

@@ -3,25 +3,40 @@
 A state records the set-up it was taken on (parameter shapes, clipping, noise multiplier,
 canary kind, count and mode). Loading it into an auditor on another set-up, or loading a
 damaged state, raises AuditStateError naming what differs, before any step runs, and
-leaves the auditor as it was. A state written by version 0.1.0 (no set-up recorded) is
-checked against what it implies: one pool per tensor within the tensors' sizes, the
-canary kind, and observation groups within the tensor count.
+leaves the auditor as it was. A state written by version 0.1.0 (no `format`, no set-up
+recorded) is checked against what it implies: one pool per tensor within the tensors'
+sizes, the canary kind, and observation groups within the tensor count.
+
+What each part holds is declared once (analysis/schema.py): HEADER here, the canary kind's
+GRADIENT_STATE or INPUT_STATE (kinds/) and RECORD (analysis/record.py). Each part's
+state_dict writes through its Section and check_state checks the whole state against
+the same Sections, with the set-up (tensor sizes, canaries per step, claims) as context.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
+
+from ..analysis.record import RECORD, SENTINELS
+from ..analysis.schema import AuditStateError, Field, Section, StateError, check_field
+from .kinds.gradient import GRADIENT_STATE
+from .kinds.input import INPUT_STATE
 
 FORMAT = 2
 REQUIRED = ("steps", "sampler", "pool", "fingerprints", "log", "monitor")
 WHAT_TO_DO = "resume with the model and audit settings the state was saved with, or start a new audit (do not load this state)"
 
+# The auditor's own fields; the rest of its state is its canary kind's and its record's.
+HEADER = Section("audit", Field("format", "int", optional=True), Field("setup", "map", optional=True), Field("steps", "int", low=0))
+KIND_LABEL = "`sampler` or `pool`"  # how errors in the kind's part are named (as when loading it fails)
 
-class AuditStateError(ValueError):
-    """A saved audit state that does not belong to this auditor, or is damaged."""
+
+def dump_state(setup: dict, steps: int, kind_state: dict, record_state: dict) -> dict:
+    """The auditor's state: HEADER's fields, then the kind's and the record's (each written by its Section)."""
+    return {**HEADER.dump({"format": FORMAT, "setup": setup, "steps": steps}), **kind_state, **record_state}
 
 
 def setup_of(mechanism, options) -> dict:
@@ -38,19 +53,22 @@ def setup_of(mechanism, options) -> dict:
     }
 
 
-def check_state(state, setup: dict) -> None:
-    """Raise AuditStateError unless `state` is a whole state of this format or an earlier one, taken on `setup`."""
+def check_state(state, setup: dict, claims: Optional[dict] = None) -> None:
+    """Raise AuditStateError unless `state` is a whole state of this format or an earlier one, taken on `setup`.
+
+    claims: the claimed mu per observation group the auditor starts with (its monitor's `opening`):
+    the state's first claim segment must hold them.
+    """
     if not isinstance(state, Mapping):
         raise AuditStateError(f"an audit state is a dict (from PrivacyAuditor.state_dict()); got {type(state).__name__}")
     missing = [k for k in REQUIRED if k not in state]
     if missing:
         raise AuditStateError(f"the audit state lacks {', '.join(map(repr, missing))}: it is damaged or not an audit state; {WHAT_TO_DO}")
-    version = state.get("format", 1)
-    if not isinstance(version, numbers.Integral) or not 1 <= version <= FORMAT:
-        raise AuditStateError(f"audit state format {version!r} is not one this version reads (1 to {FORMAT}); {WHAT_TO_DO}")
-    steps = state["steps"]
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise AuditStateError(f"the audit state's `steps` is {steps!r}; it must be an integer >= 0")
+    version = _version(state)
+    try:
+        HEADER.check(state)
+    except StateError as error:
+        raise AuditStateError(f"the audit state's {error}; it is damaged, {WHAT_TO_DO}") from None
     saved = state.get("setup")
     if version >= 2:
         if not isinstance(saved, Mapping):
@@ -62,7 +80,47 @@ def check_state(state, setup: dict) -> None:
         raise AuditStateError(
             "the audit state was saved on another set-up: " + "; ".join(differences) + f". To go on, {WHAT_TO_DO}."
         )
-    _check_counts(state)
+    if not isinstance(state["monitor"], Mapping):
+        raise AuditStateError("the audit state's `monitor` is not a dict; the state is damaged")
+    ctx = {
+        "sizes": [int(np.prod(s)) for s in setup["shapes"]], "per_step": int(setup["canaries_per_step"]),
+        "groups": 1 if setup["input"] else len(setup["shapes"]), "sentinels": SENTINELS, "claims": claims,
+    }
+    kind = INPUT_STATE if setup["input"] else GRADIENT_STATE
+    for part, section in ((KIND_LABEL, kind), (None, RECORD)):
+        name = None
+        try:
+            for f in section.fields:  # the fields this state holds (REQUIRED above; others are optional in earlier versions)
+                name = f"`{f.name}`"
+                if f.name in state:
+                    check_field(f, state[f.name], f.name, ctx)
+            name = None
+            for rule in section.rules:
+                found = rule(state, ctx)
+                if found:
+                    raise StateError(found[0], found[1])
+        except StateError as error:
+            label = part or name or f"`{section.name}`"
+            raise AuditStateError(f"the audit state is damaged ({label}: ValueError: {error}); start a new audit") from None
+
+
+def _version(state) -> int:
+    """The state's format: 1 for a 0.1.0 state (no `format`, no set-up record); refused when it is not a format."""
+    if "format" not in state:
+        if "setup" in state:
+            raise AuditStateError(
+                "the audit state's `format` is missing, but it holds a set-up record (format 2): it is damaged; "
+                + WHAT_TO_DO
+            )
+        return 1
+    version = state["format"]
+    if isinstance(version, (bool, np.bool_)) or not isinstance(version, numbers.Integral) or not 1 <= version <= FORMAT:
+        raise AuditStateError(f"audit state format {version!r} is not one this version reads (1 to {FORMAT}); {WHAT_TO_DO}")
+    if version >= 2 and not isinstance(state.get("setup"), Mapping):
+        raise AuditStateError(f"the audit state lacks its set-up record; {WHAT_TO_DO}")
+    if version == 1 and "setup" in state:
+        raise AuditStateError(f"the audit state's `format` is 1 (0.1.0), but it holds a set-up record (format 2): it is damaged; {WHAT_TO_DO}")
+    return int(version)
 
 
 def _implied_differences(state, setup: dict) -> list:
@@ -83,14 +141,3 @@ def _implied_differences(state, setup: dict) -> list:
     if saved_input != setup["input"]:
         out.append(f"canary kind (saved {'input' if saved_input else 'gradient'} canaries, here {setup['canary']!r})")
     return out
-
-
-def _check_counts(state) -> None:
-    """Counts must be whole numbers >= 0, and observation groups within the tensors."""
-    counts = state["monitor"].get("counts", {}) if isinstance(state["monitor"], Mapping) else None
-    if counts is None:
-        raise AuditStateError("the audit state's `monitor` is not a dict; the state is damaged")
-    for group, row in counts.items():
-        row = np.asarray(row)
-        if row.shape != (4,) or not np.issubdtype(row.dtype, np.number) or (row < 0).any() or (row != np.round(row)).any():
-            raise AuditStateError(f"the audit state's monitor counts for group {group} are {row.tolist()}; counts are 4 whole numbers >= 0")

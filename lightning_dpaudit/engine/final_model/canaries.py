@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ...analysis import final_model as final_model_analysis
+from ...analysis.schema import AuditStateError, Field, Section, StateError
 from ..options import integer
 from .examples import DataTemplate, Examples, check_examples, check_kind_inputs, fingerprint, make_examples
 from .scores import canary_losses, cross_entropy, score_canaries
@@ -27,6 +28,23 @@ MAX_CANARIES = 10**6  # m: the examples, the inclusion and every score are held 
 
 
 _WHY_MAX = " (10**6: the canaries and their scores are held in memory at once)"
+
+
+def _start_losses(losses, ctx):
+    count = ctx.get("count")
+    return None if count is None or len(losses) == count else f"holds {len(losses)} losses; the audit has {count} canaries"
+
+
+# The final-model audit's state: plain values (torch.save and JSON); ctx "count": this audit's m.
+FINAL_MODEL = Section(
+    "final_model",
+    Field("version", "int", rule=lambda v, ctx: None if v == STATE_VERSION else f"is {v}; expected {STATE_VERSION}"),
+    Field("seed", "int", low=0),
+    Field("count", "int", low=2, high=MAX_CANARIES),
+    Field("kind", "str"),
+    Field("examples_fingerprint", "str", null=True),
+    Field("start_losses", "list", null=True, items=Field("loss", "real", finite="no-nan"), rule=_start_losses),
+)
 
 
 class FinalModelCanaries:
@@ -191,23 +209,19 @@ class FinalModelCanaries:
     def state_dict(self) -> dict:
         """Plain values (torch.save and JSON): the seed, what the canaries are, the start losses."""
         built = self._examples is not None
-        return {
+        return FINAL_MODEL.dump({
             "version": STATE_VERSION,
             "seed": int(self._seed),
             "count": self._count,
             "kind": self._kind,
             "examples_fingerprint": fingerprint(*self._examples) if built else self._pending_fingerprint,
             "start_losses": None if self._start is None else [float(v) for v in self._start],
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
-        """Take the saved seed and start losses after checking the canaries are the same; nothing changes on error."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"Unexpected value for the saved final-model audit: version {got}; expected {STATE_VERSION}")
-        missing = {"seed", "count", "kind", "examples_fingerprint", "start_losses"} - set(state)
-        if missing:
-            raise ValueError(f"the saved final-model audit lacks {', '.join(sorted(missing))}")
+        """Take the saved seed and start losses after checking them (FINAL_MODEL) and that the canaries are the
+        same; nothing changes on error (AuditStateError, a ValueError, naming the field)."""
+        check_final_model(state)
         if (state["count"], state["kind"]) != (self._count, self._kind):
             raise ValueError(
                 f"saved audit has {state['count']} {state['kind']!r} canaries, this one {self._count} {self._kind!r}"
@@ -228,6 +242,15 @@ class FinalModelCanaries:
         self._seed, self._start = seed, start
         if self._examples is None:
             self._pending_fingerprint = state["examples_fingerprint"]
+
+
+def check_final_model(state, count: Optional[int] = None) -> None:
+    """AuditStateError naming the field unless `state` is a final-model audit's state (of `count` canaries)."""
+    try:
+        FINAL_MODEL.check(state, {"count": count if count is not None else (state.get("count") if isinstance(state, dict) else None)},
+                          path="final_model")
+    except StateError as error:
+        raise AuditStateError(f"the saved final-model audit's {error}; it is damaged or not a final-model audit's state") from None
 
 
 class CanaryDataset(Dataset):

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ...analysis.schema import Field, Section, StateError, check_field
+
 KINDS = ("dirac", "constant", "random")
 DEFAULT_POOL = 8192
 BLOCK = 32  # steps of canaries drawn at once
@@ -71,6 +73,89 @@ def allocate(capacity: Sequence[int], total: int) -> np.ndarray:
             if remaining == 0:
                 break
     return quota
+
+
+POSITIONS = Field("positions", "array", dtype="int", low=0)
+BLOCK_ENTRY = (POSITIONS, Field("weights", "array", dtype="real"), Field("is_in", "array", dtype="bool"))
+
+
+def _block_entry(entry, ctx):
+    """[pool positions (k, support), unit directions (k, support), is_in (k,)] of one drawn step."""
+    if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+        return f"is not [positions, weights, is_in] ({type(entry).__name__} of {len(entry) if hasattr(entry, '__len__') else 1})"
+    for f, value in zip(BLOCK_ENTRY, entry):
+        try:
+            check_field(f, value, f.name, ctx)
+        except StateError as error:
+            return f"{f.name} {error.problem}"
+    positions, weights, is_in = (np.asarray(v) for v in entry)
+    k = ctx.get("per_step", len(is_in))
+    if positions.ndim != 2 or positions.shape != weights.shape or positions.shape[0] != k or is_in.shape != (k,):
+        return (f"has positions {positions.shape}, weights {weights.shape} and is_in {is_in.shape}; expected (k, support) "
+                f"twice and (k,), k = {k} canaries per step")
+    if np.abs(np.linalg.norm(weights, axis=1) - 1.0).max(initial=0.0) > 1e-6:
+        return "has weights that are not unit directions (each canary's weights have norm 1)"
+    return None
+
+
+def _pool(value, ctx):
+    sizes = ctx.get("sizes")
+    if sizes is None:
+        return None
+    if len(value) != len(sizes):
+        return f"has {len(value)} tensors; the set-up has {len(sizes)}"
+    for t, (coords, size) in enumerate(zip(value, sizes)):
+        coords = np.asarray(coords)
+        if coords.ndim != 1 or (coords.size and coords.max() >= size):
+            return f"[{t}] holds coordinates up to {int(coords.max()) if coords.size else 0}; tensor {t} has {size} values"
+    return None
+
+
+def _sampler_rule(state, ctx):
+    """Pool positions (block, static, order) lie in the saved pool, each tensor's order in its own part of it."""
+    if "pool" not in state:
+        return None
+    lengths = [np.size(p) for p in state["pool"]]
+    offsets, total = np.concatenate([[0], np.cumsum(lengths)]), int(sum(lengths))
+    for i, entry in enumerate(state.get("block", [])):
+        if np.size(entry[0]) and int(np.max(entry[0])) >= total:
+            return f"block[{i}]", f"holds pool position {int(np.max(entry[0]))}; the pool has {total}"
+    static = state.get("static")
+    if static is not None and not _old_static(static) and np.size(static) and int(np.max(static)) >= total:
+        return "static", f"holds pool position {int(np.max(static))}; the pool has {total}"
+    for t, order in enumerate(state.get("order", [])):
+        order = np.asarray(order)
+        if t >= len(lengths) or (order.size and (order.min() < offsets[t] or order.max() >= offsets[t + 1])):
+            return f"order[{t}]", f"holds positions outside tensor {t}'s part of the pool"
+    return None
+
+
+def _old_static(static) -> bool:
+    """0.1.0 saved static canaries as (tensor of each canary, positions)."""
+    return isinstance(static, (list, tuple)) and len(static) == 2
+
+
+def _static(value, ctx):
+    if _old_static(value):
+        value = value[1]
+    try:
+        check_field(POSITIONS, value, "static", ctx)
+    except StateError as error:
+        return error.problem
+    return None
+
+
+# The sampler's state (ctx: "sizes" per tensor, "per_step"); `load_state_dict` reads a state SAMPLER.check passed.
+SAMPLER = Section(
+    "sampler",
+    Field("rng", "map"),  # a numpy bit generator's state: numpy checks it when it is set
+    Field("static", "any", null=True, rule=_static),
+    Field("pool", "list", items=Field("coordinates", "array", dtype="int", low=0), rule=_pool, optional=True),
+    Field("order", "list", items=POSITIONS, optional=True),
+    Field("block", "list", items=Field("step", "any", rule=_block_entry), optional=True),  # 0.1.0: none
+    Field("block_all_in", "bool", optional=True),
+    rules=(_sampler_rule,),
+)
 
 
 class CanarySampler:
@@ -173,19 +258,20 @@ class CanarySampler:
         return np.concatenate(parts).reshape(steps, q, self.support)
 
     def state_dict(self) -> dict:
-        return {
+        return SAMPLER.dump({
             "rng": self.rng.bit_generator.state,
             "static": self._static,
             "pool": [p.copy() for p in self.pool],
             "order": [o.copy() for o in self._order],
             "block": [[p.copy(), w.copy(), i.copy()] for p, w, i in self._block],
             "block_all_in": self._block_all_in,
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
+        """A state SAMPLER.check passed (the auditor checks the whole state before loading any part)."""
         self.rng.bit_generator.state = state["rng"]
         static = state.get("static")
-        if isinstance(static, (list, tuple)) and len(static) == 2:  # 0.1.0 saved (tensor of each canary, positions)
+        if _old_static(static):  # 0.1.0 saved (tensor of each canary, positions)
             static = np.asarray(static[1], dtype=int)
         self._static = static
         if "pool" in state:

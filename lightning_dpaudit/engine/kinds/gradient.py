@@ -10,9 +10,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .canaries import CanarySampler
+from ...analysis.schema import Field, Section
+from .canaries import SAMPLER, CanarySampler, _pool
 from ..probe import GradientProbe
 from .base import Planted, Reading, ReleaseView, sentinel_noise
+
+
+POOL = Field("pool", "list", items=Field("coordinates", "array", dtype="int", low=0), rule=_pool)
+
+# The kind's part of the auditor's state (ctx: "sizes", "per_step"); a 0.1.0 state also holds input_canaries=None.
+GRADIENT_STATE = Section("gradient canaries", Field("sampler", SAMPLER), POOL)
 
 
 class GradientCanaries:
@@ -44,9 +51,10 @@ class GradientCanaries:
         self.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "pool": [p.cpu().numpy() for p in self.probe.pool_local]}
+        return GRADIENT_STATE.dump({"sampler": self.sampler.state_dict(), "pool": [p.cpu().numpy() for p in self.probe.pool_local]})
 
     def load_state_dict(self, state: dict) -> None:
+        """A state GRADIENT_STATE.check passed (engine/state.py)."""
         self.sampler.load_state_dict(state["sampler"])
         if "pool" in state:
             self.probe.set_pool(state["pool"])

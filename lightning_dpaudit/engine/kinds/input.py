@@ -12,12 +12,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...analysis.schema import Field, Section
+from .gradient import POOL
 from .input_canaries import InputCanaries
 from .input_probe import InputProbe
 from ..probe import GradientProbe
 from .base import Planted, Reading, ReleaseView, sentinel_noise
 
 ALL_LAYERS = "all parameters"
+
+
+def _canaries(saved, ctx):
+    x, y = np.asarray(saved["x"]), np.asarray(saved["y"])
+    if x.ndim < 1 or y.shape != (len(x),):
+        return f"has inputs {x.shape} and labels {y.shape}; expected one label per input"
+    return None
+
+
+# The kind's part of the auditor's state: the canaries' generator, the built canaries (None before the first build), the pool.
+INPUT_STATE = Section(
+    "input canaries",
+    Field("sampler", Section("sampler", Field("rng", "map"))),  # numpy checks the bit generator's state when it is set
+    Field("input_canaries", Section("input_canaries", Field("x", "array", dtype="real"), Field("y", "array", dtype="int"),
+                                    Field("builds", "int", low=0), rules=(lambda s, c: ("x", p) if (p := _canaries(s, c)) else None,)),
+          null=True),
+    POOL,
+)
 
 
 class InputCanaryKind:
@@ -69,13 +89,14 @@ class InputCanaryKind:
         saved = None
         if spec.x is not None:
             saved = {"x": spec.x.detach().cpu().numpy(), "y": spec.y.detach().cpu().numpy(), "builds": spec.builds}
-        return {
+        return INPUT_STATE.dump({
             "sampler": {"rng": self.rng.bit_generator.state},
             "input_canaries": saved,
             "pool": [p.cpu().numpy() for p in self.probe.pool_local],
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
+        """A state INPUT_STATE.check passed (engine/state.py)."""
         self.rng.bit_generator.state = state["sampler"]["rng"]
         saved = state.get("input_canaries")
         if saved:
