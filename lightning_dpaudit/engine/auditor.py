@@ -41,7 +41,7 @@ from .options import (
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
 from .pipeline import StepPipeline
-from .state import AuditStateError, check_state, setup_of
+from .state import AuditStateError, check_state, dump_state, setup_of
 from .user_warning import warn_at_user_code
 
 
@@ -281,12 +281,12 @@ class PrivacyAuditor:
     def state_dict(self) -> dict:
         """Plain values and numpy arrays: the set-up, the step count, the kind's and the record's state."""
         self.pipeline.record_pending()
-        return {"format": 2, "setup": self.setup, "steps": self.steps, **self.kind.state_dict(), **self.record.state_dict()}
+        return dump_state(self.setup, self.steps, self.kind.state_dict(), self.record.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state`; AuditStateError (a ValueError), with the auditor unchanged, if it
         was taken on another set-up or is damaged."""
-        check_state(state, self.setup)
+        check_state(state, self.setup, claims=self.record.monitor.opening)
         saved = self.state_dict()
         try:
             self._load(state)
