@@ -3,19 +3,48 @@
 The auditor's state, the accountant's history (Opacus accountants are not part of a
 Lightning checkpoint), the logged epsilon history, whether the alert fired, the
 final-model audit's secret seed and start losses and, when asked for, the optimizer's
-noise generator. A state loaded before the auditor exists waits until fit start.
+noise generator: CALLBACK, written and checked by the same Section (analysis/schema.py).
+A state loaded before the auditor exists waits until fit start. A damaged or foreign
+state is refused (AuditStateError naming the field) before anything is restored.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
-import numpy as np
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
+from ..analysis.schema import Field, Section, StateError
+from ..engine.final_model.canaries import FINAL_MODEL
 from ..engine.state import AuditStateError
 from .logged_values import _from_checkpoint, _to_checkpoint
+
+HISTORY_ENTRY = Section(
+    "history entry", Field("step", "int", low=0),
+    Field("eps_lower_bound", "real", low=0.0, finite=False), Field("eps_accountant", "real", low=0.0, finite=False),
+)
+
+
+def _accountant_entry(entry, ctx) -> Optional[str]:
+    """(noise multiplier, sample rate, steps), as Opacus accountants keep them."""
+    ok = (isinstance(entry, (list, tuple)) and len(entry) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+          for v in entry) and math.isfinite(entry[0]) and entry[0] >= 0 and 0 < entry[1] <= 1
+          and float(entry[2]).is_integer() and entry[2] >= 0)
+    return None if ok else f"is {entry!r}; expected [noise multiplier >= 0, sample rate in (0, 1], steps >= 0]"
+
+
+CALLBACK = Section(
+    "callback",
+    Field("history", "list", items=HISTORY_ENTRY),
+    Field("alerted", "bool"),
+    Field("final_model", FINAL_MODEL, optional=True),
+    Field("auditor", "map", null=True, optional=True),  # the auditor's own state: checked by the auditor (engine/state.py)
+    Field("accountant_history", "list", items=Field("entry", "any", rule=_accountant_entry), optional=True),
+    Field("noise_generator", "any", optional=True),  # a torch.Generator's state: torch checks it when it is set
+)
+LEGACY_KEY = "DPAuditCallback{"  # version 0.1.0 keyed the callback's state by its options
 
 
 class AuditCheckpointing:
@@ -23,6 +52,7 @@ class AuditCheckpointing:
     checkpoint_noise_generator, _pending_state and _warned_generator)."""
 
     def state_dict(self) -> dict:
+        """CALLBACK's fields (the auditor's state converted for torch.load(weights_only=True))."""
         state = {"history": list(self.history), "alerted": self.alerted}
         if self.final_model is not None:
             state["final_model"] = self.final_model.state_dict()
@@ -38,7 +68,23 @@ class AuditCheckpointing:
             state["auditor"] = self._pending_state.get("auditor")
             if self._pending_state.get("noise_generator") is not None:
                 state["noise_generator"] = self._pending_state["noise_generator"]
-        return state
+        return CALLBACK.dump(state)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Pick up the state of a checkpoint written under version 0.1.0's option-dependent key; a checkpoint
+        holding several such states is refused (which one is this run's cannot be told)."""
+        states = checkpoint.get("callbacks", {})
+        if self.state_key in states:
+            return
+        legacy = [key for key in states if isinstance(key, str) and key.startswith(LEGACY_KEY)]
+        if len(legacy) > 1:
+            raise AuditStateError(
+                f"the checkpoint holds {len(legacy)} audit states of version 0.1.0 ({', '.join(map(repr, legacy))}): "
+                "which one is this run's cannot be told, and resuming without one would restart the audit; "
+                "keep one of them in checkpoint['callbacks'] under its key, or start a new audit"
+            )
+        if legacy:
+            self.load_state_dict(states[legacy[0]])
 
     def _noise_generator(self) -> Optional[torch.Generator]:
         """The optimizer's own noise generator when its state can be saved and restored; else None, warned once."""
@@ -59,20 +105,25 @@ class AuditCheckpointing:
         return None
 
     def load_state_dict(self, state_dict: dict) -> None:
-        check_alerted(state_dict)
+        check_callback_state(state_dict)
         if self.final_model is not None and state_dict.get("final_model") is not None:
             self.final_model.load_state_dict(state_dict["final_model"])  # before the data loader first reads the canaries
         self._pending_state = dict(state_dict)
         if self.auditor is not None:
-            self._restore(self._pending_state)
-            self._pending_state = None
+            try:
+                self._restore(self._pending_state)
+            finally:
+                self._pending_state = None
 
     def _restore(self, state: dict) -> None:
-        check_alerted(state)
+        """Check the whole state against this run (the auditor's against its set-up, the accountant's history
+        against the optimizer's noise multiplier), then restore it; nothing changes when it is refused."""
+        check_callback_state(state)
+        check_accountant_history(state.get("accountant_history"), self.auditor.optimizer)
+        if state.get("auditor") is not None:
+            self.auditor.load_state_dict(_from_checkpoint(state["auditor"]))  # checked first, unchanged on error
         self.history = list(state.get("history", []))
         self.alerted = bool(state.get("alerted", False))
-        if state.get("auditor") is not None:
-            self.auditor.load_state_dict(_from_checkpoint(state["auditor"]))
         accountant = self.auditor.accountant
         if accountant is not None and not accountant.history and state.get("accountant_history"):
             # Opacus accountants are not part of Lightning checkpoints; without this the
@@ -84,8 +135,23 @@ class AuditCheckpointing:
                 generator.set_state(state["noise_generator"])
 
 
-def check_alerted(state: dict) -> None:
-    """`alerted` is True or False (numpy's too); anything else is refused by name, before anything is restored."""
-    alerted = state.get("alerted", False)
-    if not isinstance(alerted, (bool, np.bool_)):
-        raise AuditStateError(f"the callback state's `alerted` is {alerted!r}; expected True or False. The state is damaged")
+def check_callback_state(state) -> None:
+    """AuditStateError naming the field unless `state` is a DPAuditCallback state (CALLBACK), before anything is restored."""
+    try:
+        CALLBACK.check(state)
+    except StateError as error:
+        raise AuditStateError(f"the callback state's {error}. The state is damaged or not a DPAuditCallback state") from None
+
+
+def check_accountant_history(history, optimizer) -> None:
+    """The saved accountant history ends with the optimizer's noise multiplier, as a live accountant must
+    (trainer_lookup.check_accountant_matches): one that ends with another is another run's."""
+    if not history:
+        return
+    last, sigma = float(history[-1][0]), float(optimizer.noise_multiplier)
+    if not math.isclose(last, sigma, rel_tol=1e-9):
+        raise AuditStateError(
+            f"the callback state's `accountant_history` ends with noise multiplier {last:g}, but the optimizer uses "
+            f"{sigma:g}: the saved accounting is another run's (its epsilon would be wrong). Resume with the optimizer "
+            "the checkpoint was written with, or start a new audit"
+        )
