@@ -127,14 +127,6 @@ class DPAuditCallback(AuditCheckpointing, Callback):
         be told so by name (the auditor's state records its set-up) rather than start over silently."""
         return "DPAuditCallback"
 
-    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        """Pick up the state of a checkpoint written under version 0.1.0's option-dependent key."""
-        states = checkpoint.get("callbacks", {})
-        if self.state_key not in states:
-            legacy = [key for key in states if isinstance(key, str) and key.startswith("DPAuditCallback{")]
-            if len(legacy) == 1:
-                self.load_state_dict(states[legacy[0]])
-
     # ------------------------------------------------------------------ set-up
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
