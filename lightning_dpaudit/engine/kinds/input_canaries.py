@@ -15,13 +15,20 @@ the auditor may see (held out from training):
 Everything here reads the model's parameters and never changes them. A model wrapped by
 Opacus (a GradSampleModule, or a module whose submodules carry its hooks) has its
 per-sample-gradient hooks switched off while canaries are built.
+
+Crafting takes seconds before the first step; when asked (InputCanaries(progress=True), or
+show_progress from a run with a progress bar) the first build of "adversarial" and
+"crafted" canaries shows its progress on stdout: a tqdm bar on a terminal, otherwise one
+line as it starts and one as it ends. Library calls print nothing unless asked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Callable, Optional, Tuple, Union
+import sys
+import time
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -53,6 +60,24 @@ def grad_sample_wrapper(model: nn.Module):
             if isinstance(owner, GradSampleModule):
                 return owner
     return None
+
+
+def progress_steps(steps: int, description: str, show: bool = True) -> Iterator[int]:
+    """range(steps), showing progress on stdout if `show`: a tqdm bar (cleared when done) on a
+    terminal, otherwise one line as it starts and one as it ends."""
+    if not show or steps <= 0:
+        yield from range(steps)
+        return
+    stream = sys.stdout
+    if stream.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(range(steps), desc=description, unit="step", file=stream, leave=False, dynamic_ncols=True)
+        return
+    start = time.perf_counter()
+    print(f"{description}: {steps} optimisation steps ...", file=stream, flush=True)
+    yield from range(steps)
+    print(f"{description}: done in {time.perf_counter() - start:.1f} s", file=stream, flush=True)
 
 
 def _owner(hook):
@@ -138,6 +163,7 @@ def make_input_canaries(
     epsilon: float = 0.3,
     norm_floor: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
+    progress: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """`count` canaries (inputs of shape (count, *inputs.shape[1:]), labels) of one kind.
 
@@ -146,6 +172,7 @@ def make_input_canaries(
     the sample lasts. steps/step_size: the optimisation of "adversarial" (PGD within an
     L-inf ball of radius epsilon) and "crafted" (Algorithm 3, Adam); norm_floor: the
     gradient norm crafting keeps each canary above (the clipping bound C; None: no floor).
+    progress: show the optimisation's progress on stdout (progress_steps).
     """
     if kind not in INPUT_KINDS:
         raise ValueError(f"Unexpected value for `canary`: {kind!r}; input canary kinds are {', '.join(INPUT_KINDS)}")
@@ -158,28 +185,29 @@ def make_input_canaries(
     order = torch.cat([torch.randperm(n, generator=generator) for _ in range(-(-count // n))])[:count]
     x, y = inputs[order].clone(), labels[order].clone()
     if kind == "adversarial":
-        return _pgd(model, loss_fn, x, y, steps=steps, step_size=step_size, radius=epsilon), y
+        return _pgd(model, loss_fn, x, y, steps=steps, step_size=step_size, radius=epsilon, progress=progress), y
     y = (y + torch.randint(1, num_classes, (count,), generator=generator)) % num_classes  # a wrong label
     if kind == "mislabeled":
         return x, y
     reference = mean_gradient(model, loss_fn, inputs, labels)
-    return craft(model, loss_fn, x, y, reference, steps=steps, step_size=step_size, norm_floor=norm_floor), y
+    x = craft(model, loss_fn, x, y, reference, steps=steps, step_size=step_size, norm_floor=norm_floor, progress=progress)
+    return x, y
 
 
-def _pgd(model, loss_fn, x, y, *, steps, step_size, radius):
+def _pgd(model, loss_fn, x, y, *, steps, step_size, radius, progress=False):
     """Signed-gradient ascent on each example's own loss, projected to the L-inf ball."""
     module = plain_module(model)
     start = x.detach()
     x = start.clone()
     with hooks_disabled(model), torch.enable_grad():
-        for _ in range(steps):
+        for _ in progress_steps(steps, f"building {len(x)} adversarial input canaries", progress):
             x.requires_grad_(True)
             (step,) = torch.autograd.grad(loss_fn(module(x), y), x)
             x = (x.detach() + step_size * step.sign()).clamp(start - radius, start + radius)
     return x.detach()
 
 
-def craft(model, loss_fn, x, y, reference, *, steps, step_size, spread: float = SPREAD, norm_floor=None):
+def craft(model, loss_fn, x, y, reference, *, steps, step_size, spread: float = SPREAD, norm_floor=None, progress=False):
     """Algorithm 3 for a batch: Adam steps on x minimising sum_i |cos(g_i, g_dist)|.
 
     g_i = grad_theta l(theta; x_i, y_i). With spread > 0 the objective also has
@@ -188,7 +216,7 @@ def craft(model, loss_fn, x, y, reference, *, steps, step_size, spread: float = 
     2 log of each canary's share of its direction beyond the others' (Cholesky of
     U U^T); canaries observed in the same step keep more of their strength (input_probe).
     With norm_floor C, also spread * sum_i relu(1 - ||g_i|| / C)^2: a gradient shorter
-    than the clipping bound is a weaker canary.
+    than the clipping bound is a weaker canary. progress: show the steps' progress (progress_steps).
     """
     reference = reference / reference.norm()
     k = len(x)
@@ -207,7 +235,7 @@ def craft(model, loss_fn, x, y, reference, *, steps, step_size, spread: float = 
     x = x.detach().clone()
     optimizer = torch.optim.Adam([x.requires_grad_(True)], lr=step_size)
     with hooks_disabled(model):
-        for _ in range(steps):
+        for _ in progress_steps(steps, f"crafting {k} input canaries", progress):
             optimizer.zero_grad()
             x.grad = grad(objective)(x.detach())
             optimizer.step()
@@ -230,6 +258,9 @@ class InputCanaries:
     min_strength: a canary is observed in a step only if its strength F_mm / C, the share
     of its clipped direction left to it beside the other canaries' (input_probe), is at
     least this.
+    progress: show the progress of the first build of "adversarial" and "crafted" canaries, the
+    seconds before the first step (progress_steps); None (default): not asked, so off, unless a
+    run with a progress bar turns it on (show_progress); True / False: the user's choice.
     """
 
     def __init__(
@@ -245,6 +276,7 @@ class InputCanaries:
         epsilon: float = 0.3,
         num_classes: Optional[int] = None,
         min_strength: float = 0.9,
+        progress: Optional[bool] = None,
     ):
         from ..options import integer, real  # options.py imports this module
 
@@ -266,6 +298,8 @@ class InputCanaries:
         min_strength = real("min_strength", min_strength, low=0.0, high=1.0, high_open=False)
         if num_classes is not None:
             num_classes = integer("num_classes", num_classes, 2)
+        if progress is not None and not isinstance(progress, bool):
+            raise ValueError(f"Unexpected value for `progress`: {progress!r}; use True, False or None")
         if inputs is None or len(inputs) == 0:
             raise ValueError(
                 f"{kind!r} canaries need a sample of in-distribution inputs: pass `canary_inputs` and `canary_labels` "
@@ -278,6 +312,7 @@ class InputCanaries:
         self.options = {"steps": craft_steps, "step_size": step_size, "epsilon": epsilon, "norm_floor": None}
         self.num_classes = num_classes
         self.min_strength = min_strength
+        self.progress = progress
         self.x: Optional[torch.Tensor] = None
         self.y: Optional[torch.Tensor] = None
         self.builds = 0
@@ -299,10 +334,20 @@ class InputCanaries:
             return
         self.x, self.y = make_input_canaries(
             self.kind, model, self.inputs, self.labels, count=count, num_classes=self.num_classes,
-            loss_fn=self.loss_fn, generator=generator, **self.options,
+            loss_fn=self.loss_fn, generator=generator, progress=bool(self.progress), **self.options,
         )
         self.builds += 1
 
     def due(self, step: int) -> bool:
         """True when the canaries should be rebuilt before noised step `step` (0-based)."""
         return self.x is None or (self.rebuilds and step > 0 and step % self.recraft_every == 0)
+
+
+def show_progress(canary, show: bool) -> None:
+    """Show the first build's progress of `canary` (a PrivacyAuditor's options.canary) if `show`, unless
+    the user chose (InputCanaries(progress=True or False)); gradient canaries (a kind's name) have none.
+
+    A run with a progress bar calls it, e.g. DPAuditCallback with the Trainer's progress bar on rank zero.
+    """
+    if isinstance(canary, InputCanaries) and canary.progress is None:
+        canary.progress = bool(show)
