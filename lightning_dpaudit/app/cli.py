@@ -39,10 +39,10 @@ def _demo(args) -> int:
         print(f"canary {args.canary!r}: {plan['canaries_per_step']} per step{source}, {plan['steps']} steps")
         if args.final_model:
             print(f"final model: {args.final_model} {args.final_model_kind!r} canaries, each trained on with probability 1/2")
-    if args.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # before any work (DEMO_THREADS by default)
+    print(f"torch threads: {torch.get_num_threads()} (--threads)")
     start = time.perf_counter()
     trainer, callback = run_demo(
         steps=args.steps,
@@ -110,6 +110,10 @@ def _at_least(minimum: int, maximum: Optional[int] = None, why: str = ""):
 
 
 CPUS = os.cpu_count() or 1
+# The demo's CNN has 9,802 parameters: its operations are too small to split across threads, and a
+# second thread on cores shared with other work waits for them (200 steps: 5-8 s on one thread,
+# 65-75 s on two, on a 2-core machine shared with other jobs).
+DEMO_THREADS = 1
 MAX_THREADS = 4 * CPUS  # torch.set_num_threads far above the cores can exhaust the process (a crash, not an error)
 AUDIT_ONLY = ("--canaries", "--final-model", "--final-model-kind")  # flags that mean nothing under --no-audit
 
@@ -178,11 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-audit", action="store_true", help="train identically without the audit (baseline)")
     demo.add_argument("--out", type=_output_directory, default="dpaudit_runs", help="where TensorBoard logs and the report go")
     demo.add_argument("--seed", type=_at_least(0), default=0)
-    demo.add_argument("--no-progress-bar", action="store_true")
     demo.add_argument(
-        "--threads", type=_at_least(1, MAX_THREADS, f" (4 x the {CPUS} CPUs)"), default=None,
-        help=f"torch intra-op threads, 1 to {MAX_THREADS} (default: torch's choice); 1 is much faster when other work "
-        "shares the cores",
+        "--no-progress-bar", action="store_true",
+        help="no progress output (by default: Lightning's bar on a terminal, about ten lines when the output is "
+        "not a terminal, and the progress of crafting input canaries)",
+    )
+    demo.add_argument(
+        "--threads", type=_at_least(1, MAX_THREADS, f" (4 x the {CPUS} CPUs)"), default=DEMO_THREADS,
+        help=f"torch intra-op threads, 1 to {MAX_THREADS} (default {DEMO_THREADS}: the demo's small CNN gains nothing "
+        "from more, and on cores shared with other work a second thread makes it many times slower)",
     )
     demo.set_defaults(run=_demo, check=_check_demo_flags, parser=demo)
     report = commands.add_parser(

@@ -3,19 +3,28 @@
 The module follows Opacus's Lightning pattern (a PrivacyEngine on the module, make_private
 inside configure_optimizers) in the form that runs on current Lightning: the training
 data loader comes from the datamodule, not from Trainer internals.
+
+Progress: on a terminal, Lightning's progress bar; when stdout is not a terminal (a log
+file, CI), a few plain lines instead (LineProgressBar: about ten per run), as the bar's
+redrawn lines would run to hundreds of KB. Crafted and adversarial input canaries show the
+progress of their first build, the seconds before the first step, the same way.
 """
 
 from __future__ import annotations
 
+import math
+import sys
+import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import pytorch_lightning as pl
 import torch
 from opacus import PrivacyEngine
 from opacus.data_loader import DPDataLoader
 from opacus.lightning import DPLightningDataModule
+from pytorch_lightning.callbacks import ProgressBar
 from torch.utils.data import DataLoader, random_split
 
 from ..integrations.digits import DigitsCNN, digits_dataset
@@ -69,6 +78,56 @@ def demo_plan(canary: str, steps: Optional[int] = None, canaries_per_step: Optio
         parameters = sum(p.numel() for p in DigitsCNN().parameters())
     count = int(canaries_per_step or auto_canaries(canary, parameters, 16))
     return {"steps": int(steps or DEMO_STEPS), "canaries_per_step": count, "source": None}
+
+
+class LineProgressBar(ProgressBar):
+    """Lightning's progress bar as plain lines, for output that is not a terminal: one line every
+    `every` optimizer steps (default: a tenth of the run, so about `lines` lines) and one at the end,
+    each with the step, the epoch, the progress-bar metrics and the seconds since training started."""
+
+    def __init__(self, every: Optional[int] = None, lines: int = 10):
+        super().__init__()
+        self.every, self.lines = every, lines
+        self._enabled = True
+        self._every, self._total, self._start, self._last = 1, None, 0.0, -1
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start = time.perf_counter()
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        self._total = int(total) if math.isfinite(total) else None
+        self._every = self.every or max(1, math.ceil((self._total or 100 * self.lines) / self.lines))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step and step % self._every == 0:
+            self._line(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._line(trainer, pl_module)
+
+    def _line(self, trainer, pl_module) -> None:
+        step = trainer.global_step
+        if not self._enabled or step == self._last:
+            return
+        self._last = step
+        metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}
+        shown = "".join(f", {k} {v:.4g}" if isinstance(v, float) else f", {k} {v}" for k, v in metrics.items())
+        total = f"/{self._total}" if self._total else ""
+        print(f"step {step}{total}, epoch {trainer.current_epoch}{shown} ({time.perf_counter() - self._start:.1f} s)",
+              flush=True)
+
+
+def progress_bar_callbacks(stream=None) -> List[ProgressBar]:
+    """The progress bar for a Trainer with enable_progress_bar=True: none added (Lightning's tqdm bar) when
+    `stream` (default sys.stdout, where Lightning's bar writes) is a terminal, a LineProgressBar otherwise."""
+    stream = sys.stdout if stream is None else stream
+    return [] if stream.isatty() else [LineProgressBar()]
 
 
 class DigitsDataModule(pl.LightningDataModule):
@@ -151,7 +210,9 @@ def run_demo(
     """Train the private digits model and audit it; returns (trainer, callback or None).
 
     steps and canaries_per_step default to demo_plan(canary); input canaries are the
-    digits held out from training (held_out_digits). final_model: that many final-model
+    digits held out from training (held_out_digits). progress_bar: Lightning's progress bar on a
+    terminal, a few lines otherwise (progress_bar_callbacks), and the progress of crafting
+    input canaries before the first step. final_model: that many final-model
     canaries of `final_model_kind` join the training data, each with probability 1/2
     (the demo fixes their secret seed from `seed`, so that a run can be repeated); it needs the audit.
     """
@@ -169,7 +230,10 @@ def run_demo(
     steps = plan["steps"]
     options = {"canaries_per_step": plan["canaries_per_step"]}
     if plan["source"] is not None:
-        options["canary_inputs"], options["canary_labels"] = held_out_digits(seed)
+        from ..engine.kinds.input_canaries import InputCanaries
+
+        inputs, labels = held_out_digits(seed)
+        canary = InputCanaries(canary, inputs=inputs, labels=labels, progress=progress_bar)
     pl.seed_everything(seed, verbose=False)
     data = DigitsDataModule(seed=seed)
     if final_model:
@@ -183,16 +247,19 @@ def run_demo(
         )
         data = CanaryDataModule(data, options["final_model_canaries"])
     datamodule = DPLightningDataModule(data, generator=torch.Generator().manual_seed(seed))
-    module = PrivateDigitsModule(noise_multiplier=noise_multiplier, bug=bug)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")  # from the PrivacyEngine, as in fit
+        module = PrivateDigitsModule(noise_multiplier=noise_multiplier, bug=bug)
     callback = (
         DPAuditCallback(alert=alert, canary=canary, seed=seed, log_every_n_steps=log_every_n_steps, **options)
         if audit else None
     )
     logger = TensorBoardLogger(str(Path(out)), name="demo")
+    callbacks = ([callback] if callback else []) + (progress_bar_callbacks() if progress_bar else [])
     trainer = pl.Trainer(
         max_steps=steps,
         logger=logger,
-        callbacks=[callback] if callback else [],
+        callbacks=callbacks,
         accelerator="cpu",
         devices=1,
         enable_progress_bar=progress_bar,
