@@ -27,31 +27,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from overhead import SPENT, timed_checks  # noqa: E402  (this directory's overhead.py)
 warnings.filterwarnings("ignore")
 
 
 REPLAYS = []  # the dropout runs' replay counts (examples alone, whole batch), printed at the end
-SPENT = {"seconds": 0.0}  # time inside the exact checks (check and ledger) of the B runs
-
-
-def timed_checks(auditor) -> None:
-    """Adds the time the auditor's exact checks take (the check at a step, the ledger's additions) to SPENT."""
-    check, ledger = auditor.per_sample_check, auditor.per_sample_check.ledger
-
-    def clocked(function):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                SPENT["seconds"] += time.perf_counter() - start
-        return run
-
-    check.check = clocked(check.check)
-    if ledger is not None:
-        ledger.add = clocked(ledger.add)
-
-
 def digits(batch_size: int, every: int):
     from lightning_dpaudit import PrivacyAuditor
     from lightning_dpaudit.integrations.digits import make_private_digits

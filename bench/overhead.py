@@ -7,6 +7,11 @@ ratio of the medians is reported for each mode.
     .venv/bin/python bench/overhead.py [--steps 300] [--rounds 5] [--batch-size 64] [--canaries auto]
     .venv/bin/python bench/overhead.py --canary crafted --canaries 32 --modes one-run --steps 1000 --rounds 3
 
+`--modes` takes the audit's modes (one-run, paired) and `no-checks`: one-run with the exact
+data-path checks off (per_sample_check_every=0), so that the checks' own share shows side by
+side; the time spent inside the checks is also clocked within the one-run timings.
+(bench/data_path_overhead.py compares the same two on the 10 M transformer and a dropout model.)
+
 With an input canary kind both runs train on the digits less the 256 held out for the
 canaries, and the time of building and re-crafting canaries is included.
 """
@@ -24,6 +29,27 @@ from lightning_dpaudit.engine.kinds.input_canaries import INPUT_KINDS
 from lightning_dpaudit.testing import HOLDOUT
 
 
+SPENT = {"seconds": 0.0}  # time inside the exact checks (check and ledger) of the timed runs that have them
+
+
+def timed_checks(auditor) -> None:
+    """Adds the time the auditor's exact checks take (the check at a step, the ledger's additions) to SPENT."""
+    check, ledger = auditor.per_sample_check, auditor.per_sample_check.ledger
+
+    def clocked(function):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                SPENT["seconds"] += time.perf_counter() - start
+        return run
+
+    check.check = clocked(check.check)
+    if ledger is not None:
+        ledger.add = clocked(ledger.add)
+
+
 def timed_training(*, steps, batch_size, mode, canaries, canary="dirac"):
     holdout = HOLDOUT if canary in INPUT_KINDS else 0
     model, optimizer, loader, _ = make_private_digits(batch_size=batch_size, seed=0, holdout=holdout)
@@ -32,7 +58,11 @@ def timed_training(*, steps, batch_size, mode, canaries, canary="dirac"):
         if holdout:
             inputs, labels = digits_holdout(holdout)
             extra = {"module": model, "canary_inputs": inputs, "canary_labels": labels}
-        PrivacyAuditor(optimizer, mode=mode, canaries_per_step=canaries, seed=0, canary=canary, **extra)
+        if mode == "no-checks":
+            mode, extra["per_sample_check_every"] = "one-run", 0
+        auditor = PrivacyAuditor(optimizer, mode=mode, canaries_per_step=canaries, seed=0, canary=canary, **extra)
+        if mode == "one-run" and "per_sample_check_every" not in extra:
+            timed_checks(auditor)
     start = time.perf_counter()
     train_steps(model, optimizer, loader, steps)
     return time.perf_counter() - start
@@ -51,6 +81,7 @@ def main():
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     timed_training(steps=20, batch_size=args.batch_size, mode="one-run", canaries=args.canaries, canary=args.canary)  # warm-up
+    SPENT["seconds"] = 0.0
     times = {None: [], **{m: [] for m in args.modes}}
     for _ in range(args.rounds):
         for mode in times:
@@ -65,6 +96,13 @@ def main():
     for mode in args.modes:
         t = np.median(times[mode])
         print(f"| {mode} | {t:.2f} | {1000 * t / args.steps:.2f} | {t / base:.2f} |")
+    if "one-run" in args.modes:
+        inside = SPENT["seconds"] / sum(times["one-run"])
+        line = f"exact data-path checks (default interval): time inside them {inside:.2%} of the one-run timings"
+        if "no-checks" in args.modes:
+            line += (f"; one-run / no-checks: {np.median(times['one-run']) / np.median(times['no-checks']):.3f} "
+                     f"(medians), {sum(times['one-run']) / sum(times['no-checks']):.3f} (sums)")
+        print(line)
 
 
 if __name__ == "__main__":
