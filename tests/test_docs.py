@@ -1,62 +1,134 @@
-"""Every Python example in README.md and docs/ runs: each ```python block is executed, in a fresh
-namespace holding what the surrounding text assumes (a model and optimizer made private with
-Opacus, held-out digits, a small data module), in a temporary working directory."""
+"""Every example in README.md and docs/ runs as written, by Sybil.
 
-import re
-import warnings
+Sybil parses each page: its ```python blocks, and the invisible ones in HTML comments
+(`<!-- invisible-code-block: python ... -->`, for context the text describes), run in page order in
+one namespace per page, in a fresh working directory, with one torch thread; `>>>` sessions check
+what they print (doctest, `...` matching any text). Its ```console blocks run their `$ ` commands
+and must print what the page shows (tests/doc_console.py). `<!-- skip: next "needs ..." -->` skips
+the next example, for examples that cannot run on a CPU machine. ```bash and ```text blocks are
+shown, not run. Each example is one test, named by its page and line; selecting one (`-k`) runs the
+page's examples before it first. See "How the examples in the docs are tested" in
+docs/testing-the-project.md.
+"""
+
+from __future__ import annotations
+
+import doctest
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Dict, List
+from unittest import SkipTest
 
 import pytest
 import torch
+from doc_console import ConsoleBlockParser, PythonBlockParser, evaluate_console
+from sybil import Sybil
+from sybil.evaluators.doctest import DocTestEvaluator
+from sybil.evaluators.python import PythonEvaluator
+from sybil.parsers.markdown import SkipParser
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+PAGES = ["README.md", "docs/*.md", "docs/*/*.md"]  # Path.match patterns, from the repository's root
+
+SYBIL = Sybil(
+    parsers=[
+        PythonBlockParser(doctest_optionflags=doctest.ELLIPSIS),
+        ConsoleBlockParser(),
+        SkipParser(),
+    ],
+    path=str(ROOT),
+    patterns=PAGES,
+)
 
 
-def _blocks():
-    for page in PAGES:
-        for i, match in enumerate(BLOCK.finditer(page.read_text())):
-            yield pytest.param(match.group(1), id=f"{page.relative_to(ROOT)}#{i + 1}")
+def _pages() -> List[Path]:
+    return sorted(path for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")] if SYBIL.should_parse(path))
 
 
-def _namespace():
-    """The names the examples take from their context."""
-    import numpy as np
-    import pytorch_lightning as pl
-    from opacus import PrivacyEngine
-    from pytorch_lightning.callbacks import ModelCheckpoint
-    from torch.utils.data import DataLoader, DistributedSampler, Subset
+DOCUMENTS = {str(path.relative_to(ROOT)): SYBIL.parse(path) for path in _pages()}
+EXAMPLES = {page: list(document.examples()) for page, document in DOCUMENTS.items()}
 
-    from lightning_dpaudit import DPAuditCallback, PrivacyAuditor
-    from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset, digits_holdout, make_private_digits
 
-    class Data(pl.LightningDataModule):
-        def train_dataloader(self):
-            return DataLoader(Subset(digits_dataset(), range(512)), batch_size=64, shuffle=True)
+@dataclass
+class Page:
+    """A page's run: its working directory and how many of its examples have run."""
 
-    model, optimizer, loader, _ = make_private_digits(seed=0, holdout=64)
-    held_out_x, held_out_y = digits_holdout(64)
-    return {
-        "np": np, "pl": pl, "torch": torch, "PrivacyEngine": PrivacyEngine, "ModelCheckpoint": ModelCheckpoint,
-        "DataLoader": DataLoader, "DistributedSampler": DistributedSampler, "DPAuditCallback": DPAuditCallback,
-        "PrivacyAuditor": PrivacyAuditor, "DigitsCNN": DigitsCNN, "model": model, "optimizer": optimizer,
-        "loader": loader, "held_out_x": held_out_x, "held_out_y": held_out_y, "data": Data(),
-    }
+    directory: Path
+    done: int = 0
+    failed: Dict[int, str] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory):
+    runs: Dict[str, Page] = {}
+    yield runs
+    for page in runs:
+        DOCUMENTS[page].namespace.clear()
+
+
+def _count(kind) -> int:
+    return sum(1 for examples in EXAMPLES.values() for example in examples if isinstance(example.region.evaluator, kind))
+
+
+def _params():
+    for page, examples in EXAMPLES.items():
+        for index, example in enumerate(examples):
+            yield pytest.param(page, index, id=f"{page}:{example.line}")
 
 
 def test_the_pages_have_examples():
-    assert len(list(_blocks())) >= 8
+    """Collection finds every page and the examples in them (a parser that stopped matching fails here)."""
+    every_page = {"README.md", *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))}
+    assert set(DOCUMENTS) == every_page
+    assert len(DOCUMENTS) >= 20
+    total = sum(len(examples) for examples in EXAMPLES.values())
+    python, sessions = _count(PythonEvaluator), _count(DocTestEvaluator)
+    console = sum(1 for examples in EXAMPLES.values() for e in examples if e.region.evaluator is evaluate_console)
+    assert python >= 19 and sessions >= 8 and console >= 1, (python, sessions, console)
+    assert total >= python + sessions + console
 
 
-@pytest.mark.parametrize("code", list(_blocks()))
-def test_example_runs(code, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def _evaluate(example) -> None:
+    __tracebackhide__ = True
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            exec(compile(code, "<example>", "exec"), _namespace())
+        example.evaluate()
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("page,index", list(_params()))
+def test_example(page, index, pages, tmp_path_factory, monkeypatch):
+    __tracebackhide__ = True
+    run = pages.get(page)
+    if run is None:
+        name = page.replace("/", "_").replace(".", "_")
+        run = pages[page] = Page(tmp_path_factory.mktemp(name))
+    monkeypatch.chdir(run.directory)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    examples = EXAMPLES[page]
+    while run.done < index:  # the page's earlier examples, when they were not selected
+        earlier = examples[run.done]
+        run.done += 1
+        try:
+            _evaluate(earlier)
+        except SkipTest:
+            pass
+        except Exception as error:  # noqa: BLE001 - reported by the example that needs it
+            run.failed[run.done - 1] = f"{type(error).__name__}: {error}"
+    if run.failed:
+        failed = ", ".join(f"line {examples[i].line}" for i in sorted(run.failed))
+        note = f" (after the page's example(s) at {failed} failed)"
+    else:
+        note = ""
+    run.done = max(run.done, index + 1)
+    try:
+        _evaluate(examples[index])
+    except SkipTest:
+        raise
+    except Exception:
+        run.failed[index] = "failed"
+        if note:
+            print(f"{page}:{examples[index].line} failed{note}")
+        raise
