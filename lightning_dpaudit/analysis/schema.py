@@ -80,9 +80,10 @@ def _range(f: Field) -> str:
 def check_field(f: Field, value, path: str, ctx: dict) -> None:
     """Raise StateError unless `value` satisfies `f` (its path in the state is `path`)."""
     if value is None:
-        if f.null:
+        problem = f.rule(value, ctx) if f.type == "any" and f.rule is not None else None  # the rule says what None means
+        if f.null or (f.type == "any" and f.rule is not None and problem is None):
             return
-        raise StateError(path, f"is None; expected {_KINDS.get(f.type, 'a dict') if isinstance(f.type, str) else 'a dict'}")
+        raise StateError(path, problem or f"is None; expected {_KINDS.get(f.type, 'a value') if isinstance(f.type, str) else 'a dict'}")
     if isinstance(f.type, Section):
         f.type.check(value, ctx, path=path)
     elif f.type in ("int", "real"):
@@ -96,12 +97,12 @@ def check_field(f: Field, value, path: str, ctx: dict) -> None:
         raise StateError(path, f"is {value!r}; expected a string")
     elif f.type == "map":
         if not isinstance(value, Mapping):
-            raise StateError(path, f"is not a dict (a {type(value).__name__})")
+            raise StateError(path, f"is {_shown(value)}; expected a dict")
         for key, item in value.items():
             _check_item(f, item, f.label.format(path=path, key=key, parent=path.rpartition(".")[0] or path), ctx)
     elif f.type == "list":
         if not isinstance(value, (list, tuple)):
-            raise StateError(path, f"is not a list (a {type(value).__name__})")
+            raise StateError(path, f"is {_shown(value)}; expected a list")
         for i, item in enumerate(value):
             _check_item(f, item, f.label.format(path=path, key=i, parent=path.rpartition(".")[0] or path), ctx)
     elif f.type == "array":
@@ -110,6 +111,11 @@ def check_field(f: Field, value, path: str, ctx: dict) -> None:
         problem = f.rule(value, ctx)
         if problem:
             raise StateError(path, problem)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__} ({text[:40]}...)"
 
 
 def _check_item(f: Field, item, path: str, ctx: dict) -> None:
@@ -150,7 +156,7 @@ def _check_numbers(f: Field, array: np.ndarray, path: str, shown) -> None:
     what = {True: "finite", "no-nan": "not NaN"}.get(f.finite, "")
     if not array.ndim:
         noun = _KINDS[f.type]
-        wanted = " ".join(w for w in (noun.replace("a ", f"a {what} ", 1) if what == "finite" else noun,
+        wanted = " ".join(w for w in (noun.replace("a ", "a finite ", 1) if what == "finite" and f.type == "real" else noun,
                                       _range(f), "(not NaN)" if what == "not NaN" else "") if w)
         raise StateError(path, f"is {shown!r}; expected {wanted}")
     where = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(bad)[0]), array.shape))
@@ -179,7 +185,7 @@ class Section:
         """Raise StateError naming the first field of `state` that breaks this Section (unknown keys are left alone)."""
         ctx = {} if ctx is None else ctx
         if not isinstance(state, Mapping):
-            raise StateError(path or self.name, f"is not a dict (a {type(state).__name__})")
+            raise StateError(path or self.name, f"is {_shown(state)}; expected a dict")
         for f in self.fields:
             where = f"{path}.{f.name}" if path else f.name
             if f.name not in state:
