@@ -14,8 +14,8 @@ the output shown, line by line, trailing spaces ignored. In the output shown:
 - `...` inside a line matches any text within that line;
 - a line that is only `...` matches any number of lines, none included.
 
-Everything else must be printed exactly. The `>>>` sessions in ```python blocks (doctest) check
-what they print by the same rules (and doctest's own). See "How the examples in the docs are tested" in
+Everything else must be printed exactly. The ```pycon blocks (Python sessions: `>>>` lines and
+what they print, run by doctest) check their output by the same rules, or doctest's own. See "How the examples in the docs are tested" in
 docs/testing-the-project.md.
 """
 
@@ -27,12 +27,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
-from sybil import Example
+from sybil import Document, Example, Region
 from sybil.evaluators.doctest import DocTestEvaluator, OutputChecker
 from sybil.parsers.abstract.doctest import DocTestStringParser
-from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser
+from sybil.parsers.markdown import CodeBlockParser
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "$ "
@@ -141,11 +141,19 @@ class ShownOutputChecker(OutputChecker):
         return expected_pattern([line.rstrip() for line in want.splitlines()]).fullmatch(terminal_text(got)) is not None
 
 
-class PythonBlockParser(PythonCodeBlockParser):
-    """Sybil's Markdown parser of ```python blocks, whose `>>>` sessions compare output as above."""
+class SessionBlockParser:
+    """Sybil's Markdown parser for ```pycon blocks (Python sessions: `>>>` lines and what they print),
+    as doctest examples whose output is compared as above."""
 
     def __init__(self, doctest_optionflags: int = 0) -> None:
-        super().__init__(doctest_optionflags=doctest_optionflags)
+        self.blocks = CodeBlockParser(language="pycon")
         evaluator = DocTestEvaluator(doctest_optionflags)
         evaluator.runner._checker = ShownOutputChecker()  # doctest.DocTestRunner keeps its checker there
         self.doctest_parser = DocTestStringParser(evaluator)
+
+    def __call__(self, document: Document) -> Iterable[Region]:
+        for block in self.blocks(document):  # as Sybil's PythonCodeBlockParser does for `>>>` blocks
+            source = block.parsed
+            for region in self.doctest_parser(source, document.path):
+                region.adjust(block, source)
+                yield region

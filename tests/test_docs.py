@@ -2,8 +2,8 @@
 
 Sybil parses each page: its ```python blocks, and the invisible ones in HTML comments
 (`<!-- invisible-code-block: python ... -->`, for context the text describes), run in page order in
-one namespace per page, in a fresh working directory, with one torch thread; `>>>` sessions check
-what they print (doctest, `...` matching any text). Its ```console blocks run their `$ ` commands
+one namespace per page, in a fresh working directory, with one torch thread; ```pycon blocks
+(`>>>` sessions) check what they print. Its ```console blocks run their `$ ` commands
 and must print what the page shows (tests/doc_console.py). `<!-- skip: next "needs ..." -->` skips
 the next example, for examples that cannot run on a CPU machine. ```bash and ```text blocks are
 shown, not run. Each example is one test, named by its page and line; selecting one (`-k`) runs the
@@ -21,18 +21,19 @@ from unittest import SkipTest
 
 import pytest
 import torch
-from doc_console import ConsoleBlockParser, PythonBlockParser, evaluate_console
+from doc_console import ConsoleBlockParser, SessionBlockParser, evaluate_console
 from sybil import Sybil
 from sybil.evaluators.doctest import DocTestEvaluator
 from sybil.evaluators.python import PythonEvaluator
-from sybil.parsers.markdown import SkipParser
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "docs/*.md", "docs/*/*.md"]  # Path.match patterns, from the repository's root
 
 SYBIL = Sybil(
     parsers=[
-        PythonBlockParser(doctest_optionflags=doctest.ELLIPSIS),
+        PythonCodeBlockParser(),
+        SessionBlockParser(doctest_optionflags=doctest.ELLIPSIS),
         ConsoleBlockParser(),
         SkipParser(),
     ],
