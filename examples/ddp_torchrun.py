@@ -1,6 +1,6 @@
 """A plain PyTorch DDP loop with Opacus, audited: one process per rank, started by torchrun.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/ddp_torchrun.py [--steps 200] [--out dpaudit_runs]
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/ddp_torchrun.py [--steps 200] [--out dpaudit_runs] [--threads 1]
 
 DPDDP (or DistributedDataParallel) around the model before make_private gives a
 DistributedDPOptimizer: rank 0 adds the noise, the ranks' clipped sums are all-reduced
@@ -8,6 +8,9 @@ after it. The data loader given to make_private has a DistributedSampler, so the
 accountant's sample rate is that of the whole batch. The noise has its own generator.
 Every rank builds the same PrivacyAuditor (same seed) and ends with the same result;
 rank 0 prints it and writes the report.
+
+--threads N sets torch's intra-op threads in each process before any work (default 1: the
+model is small, and the processes share the cores; more threads wait for each other).
 """
 
 import argparse
@@ -73,7 +76,13 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default="dpaudit_runs/ddp_torchrun")
     parser.add_argument("--bug", default=None, help="inject a bug-zoo bug (to see the audit catch it)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads in each process (default 1: the model is small, and the processes "
+                        "share the cores)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # before any work, in each process
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"torch threads: {torch.get_num_threads()} per process (--threads)")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(Full backward hook|Secure RNG).*")
         main(args.steps, args.out, args.bug)

@@ -1,6 +1,6 @@
 """A plain PyTorch FSDP loop with Opacus ghost clipping, audited: one process per rank, started by torchrun.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/fsdp_torchrun.py [--steps 200] [--out dpaudit_runs]
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/fsdp_torchrun.py [--steps 200] [--out dpaudit_runs] [--threads 1]
 
 Opacus's FSDP2Wrapper shards every layer with FSDP2's fully_shard (here on a CPU device
 mesh over gloo); make_private with grad_sample_mode="ghost_fsdp" then returns an
@@ -10,6 +10,9 @@ the rows each rank owns, and each rank adds the noise to its own rows. The data 
 has a DistributedSampler, so the accountant's sample rate is that of the whole batch.
 Every rank builds the same PrivacyAuditor (same seed) and ends with the same result;
 rank 0 prints it and writes the report.
+
+--threads N sets torch's intra-op threads in each process before any work (default 1: the
+model is small, and the processes share the cores; more threads wait for each other).
 """
 
 import argparse
@@ -109,7 +112,13 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default="dpaudit_runs/fsdp_torchrun")
     parser.add_argument("--bug", default=None, help="inject a bug-zoo bug (to see the audit catch it)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads in each process (default 1: the model is small, and the processes "
+                        "share the cores)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # before any work, in each process
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"torch threads: {torch.get_num_threads()} per process (--threads)")
     with warnings.catch_warnings():
         # FSDP2 warns of outputs that are views, in case an in-place op follows; this loop makes none
         warnings.filterwarnings("ignore", message=".*(Full backward hook|Secure RNG|returned a view tensor).*")

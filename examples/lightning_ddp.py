@@ -13,11 +13,15 @@ Three things make data-parallel DP-SGD correct, and the audit checks each of the
 
 Runs on 2 CPU processes (gloo); Lightning starts the second one itself:
 
-    .venv/bin/python examples/lightning_ddp.py [--steps 200] [--out dpaudit_runs]
+    .venv/bin/python examples/lightning_ddp.py [--steps 200] [--out dpaudit_runs] [--threads 1]
     .venv/bin/tensorboard --logdir dpaudit_runs
+
+--threads N sets torch's intra-op threads in each process before any work (default 1: the
+model is small, and the processes share the cores; more threads wait for each other).
 """
 
 import argparse
+import os
 import warnings
 
 import pytorch_lightning as pl
@@ -101,5 +105,11 @@ if __name__ == "__main__":
     parser.add_argument("--bug", default=None, help="inject a bug-zoo bug (to see the audit catch it)")
     parser.add_argument("--alert", default="warn", choices=["warn", "raise", "stop"])
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads in each process (default 1: the model is small, and the processes "
+                        "share the cores)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # before any work, in each process
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"torch threads: {torch.get_num_threads()} per process (--threads)")
     main(args.steps, args.out, args.bug, args.alert, args.devices)

@@ -5,8 +5,13 @@ configure_optimizers, with the training data loader taken from the datamodule (p
 API; the older pattern read Trainer internals that current Lightning no longer has).
 DPLightningDataModule turns the datamodule's loader into Poisson sampling.
 
-    .venv/bin/python examples/lightning_opacus.py [--steps 600] [--out dpaudit_runs]
+    .venv/bin/python examples/lightning_opacus.py [--steps 600] [--out dpaudit_runs] [--threads 1]
     .venv/bin/tensorboard --logdir dpaudit_runs
+
+--threads N sets torch's intra-op threads before any work (default 1: the model is small,
+so more threads add overhead, and on cores shared with other work they wait for each other).
+When stdout is not a terminal, progress is a few lines (progress_bar_callbacks) rather than
+Lightning's redrawn bar.
 """
 
 import argparse
@@ -19,7 +24,7 @@ from opacus.lightning import DPLightningDataModule
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_dpaudit import DPAuditCallback
-from lightning_dpaudit.app.demo import DigitsDataModule
+from lightning_dpaudit.app.demo import DigitsDataModule, progress_bar_callbacks
 from lightning_dpaudit.integrations.digits import DigitsCNN
 
 
@@ -54,7 +59,10 @@ def main(steps: int, out: str) -> None:
     trainer = pl.Trainer(
         max_steps=steps,
         logger=TensorBoardLogger(out, name="lightning_opacus"),
-        callbacks=[DPAuditCallback(log_every_n_steps=25)],  # the only added line
+        callbacks=[
+            DPAuditCallback(log_every_n_steps=25),  # the only added line
+            *progress_bar_callbacks(),  # when stdout is not a terminal: a few lines of progress, not the bar
+        ],
         enable_checkpointing=False,
         accelerator="cpu",
     )
@@ -65,5 +73,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--out", default="dpaudit_runs")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: the model is small, more threads only add overhead)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # before any work
+    print(f"torch threads: {torch.get_num_threads()} (--threads)")
     main(args.steps, args.out)

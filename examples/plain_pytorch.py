@@ -1,6 +1,9 @@
 """Audit a plain PyTorch + Opacus training loop with PrivacyAuditor.
 
-    .venv/bin/python examples/plain_pytorch.py [--steps 500]
+    .venv/bin/python examples/plain_pytorch.py [--steps 500] [--threads 1]
+
+--threads N sets torch's intra-op threads before any work (default 1: the model is small,
+so more threads add overhead, and on cores shared with other work they wait for each other).
 """
 
 import argparse
@@ -44,4 +47,9 @@ def main(steps: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
-    main(parser.parse_args().steps)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: the model is small, more threads only add overhead)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # before any work
+    print(f"torch threads: {torch.get_num_threads()} (--threads)")
+    main(args.steps)

@@ -9,7 +9,12 @@ make_private runs in configure_optimizers on the inner transformer, which Opacus
 place; the data is a seeded random Markov chain over tokens (examples/_transformer.py).
 
     .venv/bin/python examples/transformer_ghost.py [--steps 20] [--size 25M] [--batch-size 16]
-        [--seq-len 64] [--noise-multiplier 1.0] [--seed 0] [--log-dir dpaudit_runs]
+        [--seq-len 64] [--noise-multiplier 1.0] [--seed 0] [--log-dir dpaudit_runs] [--threads 1]
+
+--threads N sets torch's intra-op threads before any work (default 1: on a CPU that other
+work shares, threads wait for each other; on cores of its own a larger model may gain from
+more). When stdout is not a terminal, progress is a few lines (progress_bar_callbacks)
+rather than Lightning's redrawn bar.
 """
 
 import argparse
@@ -30,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _transformer import SIZES, build_model, count_parameters, markov_tokens  # noqa: E402
 
 from lightning_dpaudit import DPAuditCallback  # noqa: E402
+from lightning_dpaudit.app.demo import progress_bar_callbacks  # noqa: E402
 
 
 class MarkovText(pl.LightningDataModule):
@@ -95,10 +101,11 @@ def train(size: str = "25M", steps: int = 20, batch_size: int = 16, seq_len: int
     """Fit `steps` steps; the LightningModule (its `losses`, one per step) and the callback (None if not audited)."""
     torch.manual_seed(seed)
     callback = DPAuditCallback(log_every_n_steps=log_every_n_steps, seed=seed) if audit else None
+    progress = progress_bar_callbacks() if progress_bar else []  # stdout not a terminal: a few lines, not the bar
     trainer = pl.Trainer(
         max_steps=steps,
         logger=TensorBoardLogger(log_dir, name="transformer_ghost"),
-        callbacks=[callback] if audit else [],  # the only line the audit adds
+        callbacks=([callback] if audit else []) + progress,  # the only line the audit adds
         enable_checkpointing=False,
         enable_progress_bar=progress_bar,
         enable_model_summary=False,
@@ -121,7 +128,12 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default="dpaudit_runs")
     parser.add_argument("--no-audit", action="store_true", help="train without DPAuditCallback")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: threads on a CPU that other work shares wait for "
+                        "each other; on cores of its own a larger model may gain from more)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)  # before any work
+    print(f"torch threads: {torch.get_num_threads()} (--threads)")
     start = time.perf_counter()
     module, callback = train(args.size, args.steps, args.batch_size, args.seq_len, args.noise_multiplier, args.seed,
                              args.log_dir, args.lr, audit=not args.no_audit)
