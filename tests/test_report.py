@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sys
 
 import numpy as np
@@ -318,3 +319,89 @@ def test_report_module_avoids_torch_and_pyplot():
         "assert 'torch' not in sys.modules and 'matplotlib.pyplot' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------ reports that contradict themselves
+
+
+def ok_result() -> AuditResult:
+    """fake_result without its violation: no tensor flagged, every anytime bound below its claim."""
+    from dataclasses import replace
+
+    layers = tuple(replace(layer, violation=False, mu_lower_bound_anytime=0.8) for layer in fake_result().layers)
+    return replace(fake_result(), violation=False, violating_layers=(), first_violation_step=None, layers=layers,
+                   mu_lower_bound_anytime=0.9)
+
+
+def _written(tmp_path, result) -> dict:
+    write_report(tmp_path, result, settings={}, versions={}, history=[], in_values=[1.0, 0.9], out_values=[0.0, 0.1])
+    return json.loads((tmp_path / "audit_report.json").read_text())
+
+
+def _set_result(**changes):
+    return lambda r: r.update(changes)
+
+
+_CONTRADICTIONS = [
+    # numbers out of range, or NaN
+    (ok_result, lambda r: r.update(epsilon_lower_bound=float("nan")), r"`epsilon_lower_bound` is NaN; expected a number"),
+    (ok_result, _set_result(mu_lower_bound="nan"), r"`mu_lower_bound` is 'nan'; expected a number"),
+    (ok_result, _set_result(delta=5), r"`delta` is 5; it must lie in \(0, 1\)"),
+    (ok_result, _set_result(delta=None), r"`delta` is null; expected a number"),
+    (ok_result, _set_result(confidence=7), r"`confidence` is 7; it must lie in \(0, 1\)"),
+    (ok_result, _set_result(confidence=0), r"`confidence` is 0; it must lie in \(0, 1\)"),
+    (ok_result, _set_result(mu_claimed=0), r"`mu_claimed` is 0; it must be > 0"),
+    (ok_result, lambda r: r["layers"][1].update(n_in=-4), r"`layers\[1\].n_in` is -4; expected a whole number >= 0"),
+    (ok_result, _set_result(noise_repeats=-1), r"`noise_repeats` is -1"),
+    # a violation flag that contradicts the numbers
+    (fake_result, _set_result(violation=False),
+     r"`violation` is false, but `violating_layers` is \['fc2.weight'\]: the verdict contradicts the groups"),
+    (fake_result, lambda r: r.update(violation=False, violating_layers=[], first_violation_step=None,
+                                     layers=[{**layer, "violation": False} for layer in r["layers"]]),
+     r"`violation` is false, but the anytime mu lower bound 1.1 exceeds the claimed 1: the alarm fires when it does"),
+    (fake_result, _set_result(first_violation_step=None), r"`violation` is true, but `first_violation_step` is None"),
+    (fake_result, lambda r: r["layers"][2].update(violation=False),
+     r"`layers` flag tensor 'fc2.weight' not violating but `violating_layers` is \['fc2.weight'\]"),
+    (ok_result, _set_result(violation=True),
+     r"`violation` is true, but `violating_layers` is \[\]: the verdict contradicts the groups whose alarm fired"),
+    (ok_result, lambda r: r.update(violation=True, violating_layers=["pooled"]), r"`first_violation_step` is None"),
+    (ok_result, _set_result(noise_repeats=3), r"`violation` is false, but 3 step\(s\) repeated earlier noise"),
+]
+
+
+@pytest.mark.parametrize("make,corrupt,message", _CONTRADICTIONS)
+def test_a_report_whose_numbers_contradict_its_verdict_is_refused(tmp_path, capsys, make, corrupt, message):
+    from lightning_dpaudit.analysis.report import ReportError
+    from lightning_dpaudit.app.cli import VIOLATION_EXIT, main
+
+    report = _written(tmp_path, make())
+    assert main(["report", str(tmp_path)]) == (VIOLATION_EXIT if make is fake_result else 0)  # as written: it reads
+    capsys.readouterr()
+    corrupt(report["result"])
+    (tmp_path / "audit_report.json").write_text(json.dumps(report))  # NaN is written as JSON's NaN
+    with pytest.raises(ReportError, match=message):
+        load_report(tmp_path)
+    status = main(["report", str(tmp_path)])
+    err = capsys.readouterr()
+    assert status == 1 != VIOLATION_EXIT and err.out == ""
+    assert len(err.err.strip().splitlines()) == 1 and re.search(message, err.err)
+
+
+def test_the_report_of_a_real_audit_reads_back():
+    """The verdict rules hold for what an audit writes: a short audit's report loads as written."""
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
+
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_steps(model, optimizer, loader, 3)
+        result = auditor.result()
+    with tempfile.TemporaryDirectory() as directory:
+        write_report(directory, result, settings={}, versions={}, history=[], histogram=auditor.log.histogram())
+        assert load_report(Path(directory))["result"]["violation"] is False
