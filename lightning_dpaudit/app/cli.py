@@ -69,6 +69,9 @@ def _demo(args) -> int:
 
 
 def _report(args) -> int:
+    """Print the latest report's summary. Exit status 0 (OK), VIOLATION_EXIT (3), 1 when there is no report or
+    load_report refuses it (damaged, foreign, NaN or out-of-range numbers, a verdict its numbers contradict:
+    the message names the field), 2 when the directory is not one."""
     from ..analysis.report import ReportError, load_report, summary_table
 
     directory = Path(args.directory)
