@@ -60,3 +60,53 @@ def test_a_0_1_0_state_is_refused_by_an_auditor_on_another_model():
     with pytest.raises(ValueError, match=r"saved on another set-up: parameter tensors \(saved 2, here 8\).*start a new audit"):
         auditor.load_state_dict(_saved_auditor_state())
     assert auditor.steps == 0 and auditor.result(accounting=False).n_in == 0
+
+
+def test_a_damaged_0_1_0_state_is_refused_by_field_and_the_auditor_is_unchanged():
+    import copy
+
+    import numpy as np
+
+    from lightning_dpaudit import AuditStateError
+
+    for corrupt, message in [
+        (lambda s: s["log"]["moments"].__setitem__((0, 1, 1), np.nan), r"`log.moments` holds nan at \[0, 1, 1\]"),
+        (lambda s: s["monitor"]["counts"].update({0: [5, -1, 0, 0]}), r"monitor counts for group 0 are \[5, -1, 0, 0\]"),
+        (lambda s: s["sampler"]["order"][0].__setitem__(0, -3), r"`sampler.order\[0\]` holds -3 at 0"),
+        (lambda s: s.update(format=True), r"audit state format True is not one this version reads"),
+    ]:
+        state = copy.deepcopy(_saved_auditor_state())
+        corrupt(state)
+        _, optimizer, _ = _linear_run()
+        auditor = PrivacyAuditor(optimizer, seed=5)
+        before = auditor.state_dict()
+        with pytest.raises(AuditStateError, match=message):
+            auditor.load_state_dict(state)
+        after = auditor.state_dict()
+        assert after["steps"] == before["steps"] == 0 and after["monitor"]["counts"] == before["monitor"]["counts"]
+
+
+def test_a_checkpoint_holding_two_0_1_0_states_does_not_restart_the_audit(tmp_path):
+    import sys
+
+    import pytorch_lightning as pl
+
+    from lightning_dpaudit import AuditStateError, DPAuditCallback
+
+    sys.path.insert(0, str(DATA))
+    try:
+        from make_v0_1_checkpoint import Digits, Linear
+    finally:
+        sys.path.remove(str(DATA))
+    checkpoint = torch.load(DATA / "v0_1_checkpoint.ckpt", weights_only=True)
+    (key,) = checkpoint["callbacks"]
+    checkpoint["callbacks"][key.replace("'canary': None", "'canary': 'random'")] = checkpoint["callbacks"][key]
+    torch.save(checkpoint, tmp_path / "two.ckpt")
+    callback = DPAuditCallback(seed=0, report=False)
+    trainer = pl.Trainer(max_epochs=3, callbacks=[callback], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(AuditStateError, match=r"the checkpoint holds 2 audit states of version 0.1.0"):
+            trainer.fit(Linear(), datamodule=Digits(), ckpt_path=tmp_path / "two.ckpt")
+    assert callback.auditor is None or callback.auditor.steps == 0
