@@ -150,3 +150,28 @@ def test_checkpoint_noise_generator_warns_when_the_noise_comes_from_the_global_g
     with pytest.warns(UserWarning, match="torch's global generator, whose state the callback does not save"):
         _trainer(1, [callback, ModelCheckpoint(dirpath=tmp_path)]).fit(GlobalNoise(), datamodule=Digits())
     assert "noise_generator" not in callback.state_dict()
+
+
+def test_a_checkpoint_whose_accounting_is_another_runs_is_refused_at_resume(tmp_path):
+    """The saved accountant history ends with another noise multiplier than the optimizer's: the resumed fit
+    stops at fit start, naming it, with the optimizer as it was and the callback's history untouched."""
+    from lightning_dpaudit import AuditStateError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.seed_everything(0, verbose=False)
+        _trainer(1, [DPAuditCallback(seed=0, report=False), ModelCheckpoint(dirpath=tmp_path)]).fit(
+            SeededNoise(), datamodule=Digits())
+        (path,) = tmp_path.glob("*.ckpt")
+        checkpoint = torch.load(path, weights_only=False)
+        saved = checkpoint["callbacks"]["DPAuditCallback"]
+        assert saved["accountant_history"] == [[1.0, BATCH / TRAIN, TRAIN // BATCH]]
+        saved["accountant_history"] = [[2.0, BATCH / TRAIN, TRAIN // BATCH]]
+        torch.save(checkpoint, tmp_path / "foreign.ckpt")
+        resumed = DPAuditCallback(seed=0, report=False)
+        module = SeededNoise()
+        with pytest.raises(AuditStateError, match=r"`accountant_history` ends with noise multiplier 2, but the optimizer uses 1"):
+            _trainer(2, [resumed]).fit(module, datamodule=Digits(), ckpt_path=tmp_path / "foreign.ckpt")
+    assert resumed.auditor is None and resumed.history == [] and not resumed.alerted
+    optimizer = module.trainer.optimizers[0]
+    assert "add_noise" not in vars(optimizer) and not hasattr(optimizer, "_dpaudit_auditor")
