@@ -85,7 +85,7 @@ def test_the_pages_have_examples():
     total = sum(len(examples) for examples in EXAMPLES.values())
     python, sessions = _count(PythonEvaluator), _count(DocTestEvaluator)
     console = sum(1 for examples in EXAMPLES.values() for e in examples if e.region.evaluator is evaluate_console)
-    assert python >= 19 and sessions >= 8 and console >= 1, (python, sessions, console)
+    assert python >= 20 and sessions >= 8 and console >= 2, (python, sessions, console)
     assert total >= python + sessions + console
 
 
