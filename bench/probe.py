@@ -1715,6 +1715,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="run the cases whose name contains this")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--verbose", action="store_true", help="also print each case's line as it ends")
     args = parser.parse_args(argv)
     cases = [c for c in all_cases() if args.only is None or args.only in c.name]
     if args.list:
@@ -1731,6 +1732,8 @@ def main(argv=None) -> int:
         cls, detail, seconds = run_case(context, case.name)
         rows.append((case, cls, detail, seconds))
         totals[cls] += 1
+        if args.verbose:
+            print(f"  {case.name[:58]:58s} {case.expect:9s} {cls:13s} {seconds:5.1f}  {detail}", flush=True)
         if i % 25 == 0 or i == len(cases):
             print(f"[{i}/{len(cases)}] {time.perf_counter() - start:.0f} s  " +
                   "  ".join(f"{c}={n}" for c, n in totals.items() if n), flush=True)

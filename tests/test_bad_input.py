@@ -163,6 +163,7 @@ _BAD_OPTIONS = [
     ("confidence", 1.0, r"`confidence`: 1.0"),
     ("confidence", 0, r"`confidence`: 0"),
     ("confidence", "0.95", r"`confidence`: '0.95'"),
+    ("confidence", 0.999999, r"`confidence`: 0.999999; use a number in \(0.0, 0.99999\] \(above it the false-alarm budget"),
     ("canary", "diracc", r"`canary`: 'diracc'; valid kinds are dirac, constant, random, mislabeled"),
     ("canary", 5, r"`canary`: 5"),
     ("canaries_per_step", 2.5, r"`canaries_per_step`: 2.5; use an integer >= 2"),
@@ -192,6 +193,8 @@ _BAD_OPTIONS = [
     ("observation_window", 0, r"`observation_window`: 0"),
     ("checksum_every", -1, r"`checksum_every`: -1; use an integer >= 0"),
     ("checksum_every", 2.5, r"`checksum_every`: 2.5"),
+    ("per_sample_check_every", None, r"`per_sample_check_every`: None; use an integer >= 0"),
+    ("per_sample_check_examples", None, r"`per_sample_check_examples`: None; use an integer >= 1"),
     ("on_violation", 5, r"`on_violation`: 5; use a callable"),
     ("on_violation", lambda: None, r"`on_violation` must accept one argument"),
     ("on_violation", lambda a, b: None, r"`on_violation` must accept one argument"),
@@ -687,3 +690,27 @@ def test_one_run_bounds_refuse_more_canaries_than_the_bound():
     included = _np.zeros(10**7 + 1, dtype=bool)
     with _pytest.raises(ValueError, match=r"`included`: 10,000,001 canaries; at most 10,000,000 \(10\*\*7\)"):
         _est.one_run_bounds({"loss": [0.0]}, included, delta=1e-5)
+
+
+def test_the_end_to_end_lower_bound_is_never_negative_at_a_large_delta():
+    """RDP's conversion at delta = 0.5 goes below 0; a lower bound on epsilon there is 0, as end_to_end_epsilon says."""
+    from lightning_dpaudit.estimators.live_epsilon import LiveEpsilon
+
+    history = [(1.0, 64 / 1797, 3)]
+    assert _est.end_to_end_epsilon(0.5, delta=0.5, history=history) == 0.0
+    for accountant in ("rdp", "gdp", "prv"):
+        live = LiveEpsilon(accountant, delta=0.5)
+        assert live.lower_bound_epsilon(0.5, history) == 0.0
+        assert live.lower_bound_epsilon_scaled(0.5, history) == 0.0
+    model, optimizer, loader, _ = _private(seed=0)
+    auditor = _Auditor(optimizer, seed=1, delta=0.5)
+    _train(model, optimizer, loader, 3)
+    result = auditor.result()
+    assert result.epsilon_lower_bound == 0.0 and result.n_in > 0
+
+
+@_pytest.mark.parametrize("options", [{"confidence": 0.999999}, {"per_sample_check_every": None}])
+def test_the_callback_refuses_what_the_auditor_refuses(options):
+    name = next(iter(options))
+    with _pytest.raises(ValueError, match=rf"`{name}`: {options[name]}"):
+        DPAuditCallback(**options)

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from ..analysis.observations import MAX_WINDOW
+from ..analysis.record import FRESHNESS_SHARE, REPEAT_ALPHA
 from ..estimators.bounds import METHODS
 from .kinds.canaries import KINDS
 from .kinds.input_canaries import INPUT_KINDS, InputCanaries
@@ -20,6 +21,10 @@ DEFAULT_GRADIENT_CANARIES = 1024
 DEFAULT_INPUT_CANARIES = 32
 MAX_INPUT_CANARIES = 4096  # each holds a per-example gradient the size of the model
 BATCHED_CHECK_EVERY = 8  # check_every="auto" where readings stay on the device between checks (pipeline.py)
+# the largest confidence: its false-alarm budget 1 - confidence must leave the pooled test a share after the
+# noise-repeat test's REPEAT_ALPHA (1e-6) and the noise-correlation test's FRESHNESS_SHARE (analysis/record.py)
+MAX_CONFIDENCE = 0.99999
+assert REPEAT_ALPHA + FRESHNESS_SHARE * (1.0 - MAX_CONFIDENCE) < (1.0 - MAX_CONFIDENCE) / 2
 
 
 @dataclass(frozen=True)
@@ -107,11 +112,11 @@ INPUT_ONLY = ("canary_inputs", "canary_labels", "loss_fn", "recraft_every")  # o
 def check_settings(
     *, delta, confidence, canary, canaries_per_step, mode, estimator, seed, canary_scale, moving, support, check_every,
     module, on_violation, canary_inputs, canary_labels, loss_fn, recraft_every, observe_steps, observation_window,
-    checksum_every, per_sample_check_every=None, per_sample_check_examples=None,
+    checksum_every, per_sample_check_every, per_sample_check_examples,
 ) -> dict:
     """The options that do not depend on the optimizer, validated: a dict of AuditOptions' fields (`canary` an
     InputCanaries for input kinds, `canaries_per_step` still "auto" if so given), or a ValueError naming the
-    first bad one. per_sample_check_every / _examples are checked when given (None: not given) and not returned.
+    first bad one. per_sample_check_every / _examples are checked and not returned.
 
     PrivacyAuditor calls it through `validate` at attach, DPAuditCallback when it is built.
     """
@@ -122,6 +127,11 @@ def check_settings(
         )
     delta = real("delta", delta, low=0.0, high=1.0)
     confidence = real("confidence", confidence, low=0.0, high=1.0)
+    if confidence > MAX_CONFIDENCE:
+        raise ValueError(
+            f"Unexpected value for `confidence`: {confidence}; use a number in (0.0, {MAX_CONFIDENCE}] (above it the "
+            f"false-alarm budget 1 - confidence leaves nothing after the {REPEAT_ALPHA:g} of the noise-repeat test)"
+        )
     if not isinstance(estimator, str) or estimator not in ESTIMATORS:
         raise ValueError(f"Unexpected value for `estimator`: {estimator!r}; valid estimators are {', '.join(ESTIMATORS)}")
     if mode not in MODES:
@@ -138,10 +148,8 @@ def check_settings(
         "23 bytes each)",
     )
     checksum_every = integer("checksum_every", checksum_every, 0)
-    if per_sample_check_every is not None:
-        integer("per_sample_check_every", per_sample_check_every, 0)
-    if per_sample_check_examples is not None:
-        integer("per_sample_check_examples", per_sample_check_examples, 1)
+    integer("per_sample_check_every", per_sample_check_every, 0)
+    integer("per_sample_check_examples", per_sample_check_examples, 1)
     on_violation = one_argument_callable("on_violation", on_violation)
     if module is not None and not callable(getattr(module, "parameters", None)):
         raise ValueError(f"Unexpected value for `module`: {type(module).__name__}; pass the torch.nn.Module being trained")

@@ -240,8 +240,11 @@ class LiveEpsilon:
 
         RDP: mu_step rounded down to the `mu_resolution` grid. GDP: exact. PRV: mu_step
         capped, then it and the total steps rounded down to their grids. Never above the
-        exact value.
+        exact value, never below 0 (a conversion below 0, at a large delta, means 0).
         """
+        return _not_negative(self._lower_bound_epsilon(mu_step, history))
+
+    def _lower_bound_epsilon(self, mu_step: float, history: History) -> float:
         mu_step = check_nonnegative(mu_step, "mu_step")
         entries = _entries(history)
         edge = _edge_bound(mu_step, entries)
@@ -272,8 +275,11 @@ class LiveEpsilon:
         accountant's method: the lower bound of a run whose noise multiplier changes
         (estimators.changing_claims gives the ratio). `ratio` is rounded down to the
         `mu_resolution` grid (PRV: capped at `prv_mu_cap`), so the value is never above
-        the exact one.
+        the exact one, and never below 0.
         """
+        return _not_negative(self._lower_bound_epsilon_scaled(ratio, history))
+
+    def _lower_bound_epsilon_scaled(self, ratio: float, history: History) -> float:
         ratio = check_nonnegative(ratio, "ratio")
         entries = _entries(history)
         edge = _edge_bound(ratio, entries)
@@ -305,6 +311,11 @@ class LiveEpsilon:
         if self._fast_curves is None:
             self._fast_curves = _Curves(self._alphas())
         return self._fast_curves
+
+
+def _not_negative(epsilon: float) -> float:
+    """A lower bound on epsilon below 0 (an RDP or PRV conversion at a large delta) is 0; nan stays nan."""
+    return 0.0 if epsilon < 0.0 else epsilon
 
 
 def _edge_bound(leak: float, entries) -> Optional[float]:
