@@ -153,7 +153,7 @@ def test_checkpoint_noise_generator_warns_when_the_noise_comes_from_the_global_g
 
 
 def test_a_checkpoint_whose_accounting_is_another_runs_is_refused_at_resume(tmp_path):
-    """The saved accountant history ends with another noise multiplier than the optimizer's: the resumed fit
+    """The saved accountant history never composes the optimizer's noise multiplier: the resumed fit
     stops at fit start, naming it, with the optimizer as it was and the callback's history untouched."""
     from lightning_dpaudit import AuditStateError
 
@@ -170,7 +170,7 @@ def test_a_checkpoint_whose_accounting_is_another_runs_is_refused_at_resume(tmp_
         torch.save(checkpoint, tmp_path / "foreign.ckpt")
         resumed = DPAuditCallback(seed=0, report=False)
         module = SeededNoise()
-        with pytest.raises(AuditStateError, match=r"`accountant_history` ends with noise multiplier 2, but the optimizer uses 1"):
+        with pytest.raises(AuditStateError, match=r"`accountant_history` composes noise multipliers \[2.0\], never the optimizer's 1"):
             _trainer(2, [resumed]).fit(module, datamodule=Digits(), ckpt_path=tmp_path / "foreign.ckpt")
     assert resumed.auditor is None and resumed.history == [] and not resumed.alerted
     optimizer = module.trainer.optimizers[0]

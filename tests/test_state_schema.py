@@ -257,7 +257,13 @@ def test_a_callback_state_of_this_version_restores(checkpointed):
     (_set(("accountant_history",), [[float("nan"), 0.25, 4]]), r"`accountant_history\[0\]` is \[nan, 0.25, 4\]"),
     # an accountant history from another noise multiplier than the optimizer's
     (_set(("accountant_history",), [[2.0, 0.25, 3]]),
-     r"`accountant_history` ends with noise multiplier 2, but the optimizer uses 1: the saved accounting is another run's"),
+     r"`accountant_history` composes noise multipliers \[2.0\], never the optimizer's 1: the saved accounting is another run's"),
+    # a claim segment the accounting does not back: noise multiplier 4 was never composed
+    (lambda s: s["auditor"]["monitor"]["segments"].append({
+        "claims": {-1: 0.25, 0: 0.25, 1: 0.25}, "counts": {-1: [4, 4, 4, 4], 0: [2, 2, 2, 2], 1: [2, 2, 2, 2]},
+        "bounds": {-1: 0.0, 0: 0.0, 1: 0.0}, "first_violation": {}}),
+     r"`auditor.monitor.segments\[0\].claims\[-1\]` is 0.25 \(noise multiplier 4\), but the saved accountant history "
+     r"composes noise multipliers \[1.0\]"),
     (_set(("final_model",), {"version": 1, "seed": -1}), r"`final_model.seed` is -1"),
     # the auditor's part: refused by the auditor, with the callback unchanged too
     (lambda s: s["auditor"]["monitor"]["claims"].update({-1: 50.0}), r"`monitor.claims\[-1\]` is 50.0"),
@@ -271,6 +277,22 @@ def test_a_damaged_callback_state_is_refused_by_field_and_the_callback_is_unchan
     with pytest.raises(AuditStateError, match=message):
         callback.load_state_dict(state)
     _assert_callback_unchanged(callback, before)
+
+
+def test_a_callback_state_of_a_run_whose_noise_changed_restores():
+    """Noise multiplier 1, then 2: the accounting composes both, the resumed optimizer starts at the set-up's 1."""
+    model, optimizer, loader, accountant = _run()
+    first = DPAuditCallback(report=False)
+    first.auditor = PrivacyAuditor(optimizer, seed=3, accountant=accountant)
+    _train(model, optimizer, loader, 2)
+    optimizer.noise_multiplier = 2.0
+    _train(model, optimizer, loader, 2)
+    state = first.state_dict()
+    assert [entry[0] for entry in state["accountant_history"]] == [1.0, 2.0]
+    callback = _callback_with_auditor()
+    callback.auditor.accountant.history = []
+    callback.load_state_dict(state)
+    assert callback.auditor.steps == 4 and len(callback.auditor.record.monitor.segments) == 2
 
 
 def test_a_state_loaded_before_fit_start_is_checked_when_it_arrives():

@@ -16,9 +16,10 @@ from typing import Optional
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
+from ..analysis.monitor import POOLED
 from ..analysis.schema import Field, Section, StateError
 from ..engine.final_model.canaries import FINAL_MODEL
-from ..engine.state import AuditStateError
+from ..engine.state import AuditStateError, check_state
 from .logged_values import _from_checkpoint, _to_checkpoint
 
 HISTORY_ENTRY = Section(
@@ -119,9 +120,12 @@ class AuditCheckpointing:
         """Check the whole state against this run (the auditor's against its set-up, the accountant's history
         against the optimizer's noise multiplier), then restore it; nothing changes when it is refused."""
         check_callback_state(state)
-        check_accountant_history(state.get("accountant_history"), self.auditor.optimizer)
-        if state.get("auditor") is not None:
-            self.auditor.load_state_dict(_from_checkpoint(state["auditor"]))  # checked first, unchanged on error
+        saved = None if state.get("auditor") is None else _from_checkpoint(state["auditor"])
+        if saved is not None:
+            check_state(saved, self.auditor.setup, claims=self.auditor.record.monitor.opening)
+        check_accounting(saved, state.get("accountant_history"), self.auditor)
+        if saved is not None:
+            self.auditor.load_state_dict(saved)  # checked again, unchanged on error
         self.history = list(state.get("history", []))
         self.alerted = bool(state.get("alerted", False))
         accountant = self.auditor.accountant
@@ -143,15 +147,34 @@ def check_callback_state(state) -> None:
         raise AuditStateError(f"the callback state's {error}. The state is damaged or not a DPAuditCallback state") from None
 
 
-def check_accountant_history(history, optimizer) -> None:
-    """The saved accountant history ends with the optimizer's noise multiplier, as a live accountant must
-    (trainer_lookup.check_accountant_matches): one that ends with another is another run's."""
-    if not history:
+def check_accounting(saved: Optional[dict], history, auditor) -> None:
+    """The saved accountant history backs the saved audit: it composes the optimizer's noise multiplier (the
+    set-up's, which the audit's first steps used), and each claim segment holding observations claims 1 / sigma
+    for a sigma it composes (a segment's claim is its largest step's). Skipped without a history or audited
+    steps, and when the audit found the accountant composing other noise (`claim_unaccounted`); the segments'
+    claims also under adaptive clipping (the claim is the gradient's own noise, not the optimizer's)."""
+    if not history or saved is None or not saved["steps"]:
         return
-    last, sigma = float(history[-1][0]), float(optimizer.noise_multiplier)
-    if not math.isclose(last, sigma, rel_tol=1e-9):
+    if any(problem[0] == "claim_unaccounted" for problem in saved.get("problems", [])):
+        return
+    sigmas = sorted({float(entry[0]) for entry in history})
+    sigma = float(auditor.optimizer.noise_multiplier)
+    if not any(math.isclose(s, sigma, rel_tol=1e-9) for s in sigmas):
         raise AuditStateError(
-            f"the callback state's `accountant_history` ends with noise multiplier {last:g}, but the optimizer uses "
-            f"{sigma:g}: the saved accounting is another run's (its epsilon would be wrong). Resume with the optimizer "
-            "the checkpoint was written with, or start a new audit"
+            f"the callback state's `accountant_history` composes noise multipliers {sigmas}, never the optimizer's "
+            f"{sigma:g}: the saved accounting is another run's (its epsilon would be wrong). Resume with the "
+            "optimizer the checkpoint was written with, or start a new audit"
         )
+    if auditor.setup["noise_multiplier"] != sigma:
+        return
+    monitor = saved["monitor"]
+    segments = [("monitor", monitor)] if "claims" in monitor else []
+    segments += [(f"monitor.segments[{i}]", segment) for i, segment in enumerate(monitor.get("segments", []))]
+    for where, segment in segments:
+        claim = float(segment["claims"][POOLED])
+        if sum(segment["counts"].get(POOLED, [0])) and not any(s > 0 and math.isclose(claim, 1.0 / s, rel_tol=1e-9) for s in sigmas):
+            raise AuditStateError(
+                f"the callback state's `auditor.{where}.claims[{POOLED}]` is {claim:g} (noise multiplier {1 / claim:g}), "
+                f"but the saved accountant history composes noise multipliers {sigmas}: a claim the accounting does "
+                "not back. The state is damaged or another run's"
+            )

@@ -23,9 +23,10 @@ ALL_LAYERS = "all parameters"
 
 
 def _canaries(saved, ctx):
+    """One label per canary input."""
     x, y = np.asarray(saved["x"]), np.asarray(saved["y"])
     if x.ndim < 1 or y.shape != (len(x),):
-        return f"has inputs {x.shape} and labels {y.shape}; expected one label per input"
+        return "x", f"has inputs {x.shape} and labels {y.shape}; expected one label per input"
     return None
 
 
@@ -34,8 +35,7 @@ INPUT_STATE = Section(
     "input canaries",
     Field("sampler", Section("sampler", Field("rng", "map"))),  # numpy checks the bit generator's state when it is set
     Field("input_canaries", Section("input_canaries", Field("x", "array", dtype="real"), Field("y", "array", dtype="int"),
-                                    Field("builds", "int", low=0), rules=(lambda s, c: ("x", p) if (p := _canaries(s, c)) else None,)),
-          null=True),
+                                    Field("builds", "int", low=0), rules=(_canaries,)), null=True),
     POOL,
 )
 
