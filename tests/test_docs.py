@@ -25,6 +25,7 @@ from doc_console import ConsoleBlockParser, SessionBlockParser, evaluate_console
 from sybil import Sybil
 from sybil.evaluators.doctest import DocTestEvaluator
 from sybil.evaluators.python import PythonEvaluator
+from sybil.evaluators.skip import Skipper
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ class Page:
 
     directory: Path
     done: int = 0
-    failed: Dict[int, str] = field(default_factory=dict)
+    failed: List[int] = field(default_factory=list)  # the lines of the examples that failed
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_the_pages_have_examples():
     python, sessions = _count(PythonEvaluator), _count(DocTestEvaluator)
     console = sum(1 for examples in EXAMPLES.values() for e in examples if e.region.evaluator is evaluate_console)
     assert python >= 20 and sessions >= 8 and console >= 2, (python, sessions, console)
-    assert total >= python + sessions + console
+    assert total == python + sessions + console + _count(Skipper), "an example of another kind"
 
 
 def _evaluate(example) -> None:
@@ -116,20 +117,15 @@ def test_example(page, index, pages, tmp_path_factory, monkeypatch):
             _evaluate(earlier)
         except SkipTest:
             pass
-        except Exception as error:  # noqa: BLE001 - reported by the example that needs it
-            run.failed[run.done - 1] = f"{type(error).__name__}: {error}"
-    if run.failed:
-        failed = ", ".join(f"line {examples[i].line}" for i in sorted(run.failed))
-        note = f" (after the page's example(s) at {failed} failed)"
-    else:
-        note = ""
+        except Exception:  # noqa: BLE001 - reported below if this example fails too
+            run.failed.append(earlier.line)
     run.done = max(run.done, index + 1)
     try:
         _evaluate(examples[index])
     except SkipTest:
         raise
     except Exception:
-        run.failed[index] = "failed"
-        if note:
-            print(f"{page}:{examples[index].line} failed{note}")
+        if run.failed:  # shown with the failure: a NameError here may come from there
+            print(f"{page}: the example(s) at line(s) {', '.join(map(str, run.failed))} failed before this one")
+        run.failed.append(examples[index].line)
         raise
