@@ -264,7 +264,11 @@ def test_a_callback_state_of_this_version_restores(checkpointed):
         "bounds": {-1: 0.0, 0: 0.0, 1: 0.0}, "first_violation": {}}),
      r"`auditor.monitor.segments\[0\].claims\[-1\]` is 0.25 \(noise multiplier 4\), but the saved accountant history "
      r"composes noise multipliers \[1.0\]"),
-    (_set(("final_model",), {"version": 1, "seed": -1}), r"`final_model.seed` is -1"),
+    (_set(("final_model",), {"canaries": {"version": 1, "seed": -1, "count": 10, "kind": "ood", "examples_fingerprint": None,
+                                          "start_losses": None}, "history": []}), r"`final_model.canaries.seed` is -1"),
+    (_set(("final_model",), {"canaries": {"version": 1, "seed": 5, "count": 3, "kind": "ood", "examples_fingerprint": None,
+                                          "start_losses": [0.5, float("nan"), 1.0]}, "history": []}),
+     r"`final_model.canaries.start_losses\[1\]` is nan"),
     # the auditor's part: refused by the auditor, with the callback unchanged too
     (lambda s: s["auditor"]["monitor"]["claims"].update({-1: 50.0}), r"`monitor.claims\[-1\]` is 50.0"),
 ])

@@ -36,11 +36,18 @@ def _accountant_entry(entry, ctx) -> Optional[str]:
     return None if ok else f"is {entry!r}; expected [noise multiplier >= 0, sample rate in (0, 1], steps >= 0]"
 
 
+# FinalModelTracker's state: the canaries' (FINAL_MODEL) and the bounds logged during training.
+FINAL_MODEL_TRACKER = Section(
+    "final_model", Field("canaries", FINAL_MODEL),
+    Field("history", "list", items=Field("entry", "map", items=Field("value", "real", low=0.0, finite=False, null=True)),
+          optional=True),
+)
+
 CALLBACK = Section(
     "callback",
     Field("history", "list", items=HISTORY_ENTRY),
     Field("alerted", "bool"),
-    Field("final_model", FINAL_MODEL, optional=True),
+    Field("final_model", FINAL_MODEL_TRACKER, optional=True),
     Field("auditor", "map", null=True, optional=True),  # the auditor's own state: checked by the auditor (engine/state.py)
     Field("accountant_history", "list", items=Field("entry", "any", rule=_accountant_entry), optional=True),
     Field("noise_generator", "any", optional=True),  # a torch.Generator's state: torch checks it when it is set
