@@ -248,6 +248,9 @@ def _input_run(**options):
     (lambda o: o.update(canary_inputs=None), r"need a sample of in-distribution inputs"),
     (lambda o: o.update(recraft_every=0), r"`recraft_every`: 0"),
     (lambda o: o.update(canaries_per_step=5000), r"input canaries are at most 4096 per step"),
+    (lambda o: o["canary_inputs"].__setitem__(3, float("inf")), r"`canary_inputs`: 64 of its 4096 values are not finite \(the first is inf\)"),
+    (lambda o: o["canary_inputs"].__setitem__((0, 0, 0, 0), float("nan")), r"`canary_inputs`: 1 of its 4096 values are not finite \(the first is nan\)"),
+    (lambda o: o.update(loss_fn=lambda outputs: outputs.sum()), r"`loss_fn` must take two arguments \(outputs, labels\)"),
 ])
 def test_input_canaries_refused_at_attach(change, message):
     model, optimizer, _, options = _input_run(canary="adversarial")
@@ -714,3 +717,12 @@ def test_the_callback_refuses_what_the_auditor_refuses(options):
     name = next(iter(options))
     with _pytest.raises(ValueError, match=rf"`{name}`: {options[name]}"):
         DPAuditCallback(**options)
+
+
+@_pytest.mark.parametrize("kind", ["adversarial", "crafted"])
+def test_a_crafting_budget_beyond_the_bound_is_refused_at_attach_not_run(kind):
+    model, optimizer, _, options = _input_run()
+    canaries = _InputCanaries(kind, inputs=options["canary_inputs"], labels=options["canary_labels"], craft_steps=10**12)
+    with _pytest.raises(ValueError, match=r"`craft_steps`: 1000000000000; use an integer in \[0, 10000\]"):
+        _Auditor(optimizer, module=model, canary=canaries, canaries_per_step=4)
+    assert _untouched(optimizer)

@@ -20,6 +20,7 @@ MODES = ("one-run", "paired")
 DEFAULT_GRADIENT_CANARIES = 1024
 DEFAULT_INPUT_CANARIES = 32
 MAX_INPUT_CANARIES = 4096  # each holds a per-example gradient the size of the model
+MAX_CRAFT_STEPS = 10_000  # adversarial and crafted canaries: optimisation steps per build (default 100)
 BATCHED_CHECK_EVERY = 8  # check_every="auto" where readings stay on the device between checks (pipeline.py)
 # the largest confidence: its false-alarm budget 1 - confidence must leave the pooled test a share after the
 # noise-repeat test's REPEAT_ALPHA (1e-6) and the noise-correlation test's FRESHNESS_SHARE (analysis/record.py)
@@ -168,6 +169,8 @@ def check_settings(
             f"Unexpected value for `canary`: {canary!r}; valid kinds are {', '.join(KINDS + INPUT_KINDS)} "
             "or an InputCanaries object"
         )
+    if isinstance(canary, InputCanaries):
+        _check_input_sample(canary)
     if canaries_per_step != "auto":
         canaries_per_step = integer("canaries_per_step", canaries_per_step, 2 if mode == "one-run" else 1)
         if isinstance(canary, InputCanaries) and canaries_per_step > MAX_INPUT_CANARIES:
@@ -181,6 +184,33 @@ def check_settings(
         check_every=check_every, observe_steps=observe_steps, observation_window=observation_window,
         checksum_every=checksum_every, on_violation=on_violation,
     )
+
+
+def _check_input_sample(canaries: InputCanaries) -> None:
+    """Input canaries' sample and loss, before anything runs on them: finite inputs (a nan or inf input makes
+    every canary's gradient nan, which no later check names), a loss that takes (outputs, labels)."""
+    if canaries.kind in ("adversarial", "crafted") and canaries.options["steps"] > MAX_CRAFT_STEPS:
+        raise ValueError(
+            f"Unexpected value for `craft_steps`: {canaries.options['steps']}; use an integer in [0, {MAX_CRAFT_STEPS}] "
+            "(each is a forward and backward pass over the canaries, at every rebuild)"
+        )
+    x = canaries.inputs
+    if getattr(x, "is_floating_point", lambda: False)():
+        finite = x.isfinite()
+        if not bool(finite.all()):
+            bad = float(x[~finite].reshape(-1)[0])
+            raise ValueError(
+                f"Unexpected value for `canary_inputs`: {int((~finite).sum())} of its {x.numel()} values are not finite "
+                f"(the first is {bad}); use finite examples held out from training"
+            )
+    try:
+        inspect.signature(canaries.loss_fn).bind(object(), object())
+    except TypeError as error:
+        raise ValueError(
+            f"`loss_fn` must take two arguments (outputs, labels) and return the loss summed over the batch: {error}"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): accept
+        pass
 
 
 def _refuse_inapplicable(options: dict, kind: str, advice: str) -> None:
