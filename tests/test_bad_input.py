@@ -386,12 +386,15 @@ def test_a_damaged_state_is_refused_and_the_auditor_left_as_it_was(_saved, corru
     assert auditor.steps == 3 and not auditor.result(accounting=False).violation
 
 
-@_pytest.mark.parametrize("where", ["input-canary gradients", "reading the release"])
+@_pytest.mark.parametrize("where", ["input-canary gradients", "reading the release", "the exact check"])
 def test_a_failure_inside_an_audited_step_leaves_plain_training_working(where):
     if where == "input-canary gradients":
         model, optimizer, loader, options = _input_run(canary="mislabeled", canaries_per_step=8)
         auditor = _Auditor(optimizer, module=model, **options)
         target, name = auditor.kind.input_probe, "gradients"
+    elif where == "the exact check":  # its code runs before the audited step, in the optimizer's add_noise
+        model, optimizer, loader, auditor = _fresh()
+        target, name = auditor.per_sample_check, "around"
     else:
         model, optimizer, loader, auditor = _fresh()
         target, name = auditor.kind, "read"

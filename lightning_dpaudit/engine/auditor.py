@@ -158,11 +158,29 @@ class PrivacyAuditor:
             off_reason=None if path_class.checks_per_sample else "not yet under FSDP",
         )
         self.path.verify_start(options.canaries_per_step, seed)
-        self.path.attach(lambda: self.per_sample_check.around(self.pipeline.steps, self.pipeline.audited_step))
+        self.path.attach(self._noised_step)
         optimizer._dpaudit_auditor = self
         # what the claim does not cover, stated beside the result (not a leak beyond the claim's own terms)
         self.notes = [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
         self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
+
+    def _noised_step(self) -> None:
+        """The optimizer's add_noise while attached: the exact check, then the audited step. An error of the check's
+        own code before the audited step runs fails the audit as one inside it would (detached, the step released
+        as without it, one AuditFailedWarning); what the audited step raises is its own to pass on."""
+        entered = False
+
+        def audited_step():
+            nonlocal entered
+            entered = True
+            self.pipeline.audited_step()
+
+        try:
+            self.per_sample_check.around(self.pipeline.steps, audited_step)
+        except Exception as error:
+            if entered or self.pipeline.failed or not self.path.local:
+                raise
+            self.pipeline._fail(error, self.pipeline.steps, noised=False)
 
     def detach(self) -> None:
         """Restore the optimizer exactly as it was before the auditor attached."""
