@@ -134,6 +134,15 @@ def test_callback_options_are_checked_when_it_is_built(options, message):
         DPAuditCallback(**options)
 
 
+@pytest.mark.parametrize("optimizer,message", [
+    ("sgd", r"`optimizer`: str; pass the Opacus DPOptimizer returned by PrivacyEngine.make_private"),
+    (torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), r"`optimizer`: SGD; pass the Opacus DPOptimizer"),
+])
+def test_callback_refuses_an_optimizer_that_is_not_opacus_when_it_is_built(optimizer, message):
+    with pytest.raises(TypeError, match=message):
+        DPAuditCallback(optimizer=optimizer)
+
+
 # ---- PrivacyAuditor options and saved state
 # Every option of PrivacyAuditor with values it must refuse at attach (the optimizer left as it
 # was), the optimizer's own claim, input canaries' sample and loss, and saved states that are

@@ -43,6 +43,21 @@ ALERT_TAG = "dpaudit/alert"  # the alert's line as TensorBoard text
 _warn_at_user_code = rank_zero_only(warn_at_user_code)
 
 
+def check_optimizer(optimizer) -> None:
+    """None (found among the Trainer's optimizers at fit start), or an Opacus DPOptimizer, in Lightning's wrapper or not."""
+    if optimizer is None:
+        return
+    from opacus.optimizers import DPOptimizer
+
+    from ..engine.options import unwrapped_optimizer
+
+    if not isinstance(unwrapped_optimizer(optimizer), DPOptimizer):
+        raise TypeError(
+            f"Unexpected value for `optimizer`: {type(optimizer).__name__}; pass the Opacus DPOptimizer returned by "
+            "PrivacyEngine.make_private, or None to find it among the Trainer's optimizers at fit start"
+        )
+
+
 class PrivacyViolationError(RuntimeError):
     """Raised by DPAuditCallback(alert="raise") when the audit finds a leak."""
 
@@ -99,6 +114,7 @@ class DPAuditCallback(AuditCheckpointing, Callback):
                 "final_model_canaries, final_model_every_n_epochs and PrivacyAuditor's options"
             )
         check_accountant(accountant)
+        check_optimizer(optimizer)
         defaults = {name: p.default for name, p in inspect.signature(PrivacyAuditor).parameters.items() if name in SETTINGS}
         check_settings(**{**defaults, **auditor_options})  # PrivacyAuditor's own checks, now rather than at fit start
         self.alert = alert
