@@ -103,9 +103,9 @@ def run(command: str, directory: Path) -> subprocess.CompletedProcess:
         COLUMNS="120",
     )
     env.pop("PYTEST_CURRENT_TEST", None)
-    return subprocess.run(
+    return subprocess.run(  # bytes: text mode would turn a bar's carriage returns into newlines
         ["bash", "-c", command], cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=TIMEOUT,
+        timeout=TIMEOUT,
     )
 
 
@@ -114,7 +114,7 @@ def evaluate_console(example: Example) -> Optional[str]:
     directory = clone_like_directory()
     for command, shown in commands_and_outputs(str(example.parsed)):
         done = run(command, directory)
-        got = terminal_text(done.stdout)
+        got = terminal_text(done.stdout.decode("utf-8", "replace").replace("\r\n", "\n"))
         if done.returncode != 0:
             return f"`{command}` exited with status {done.returncode}; its output:\n{got}"
         if expected_pattern(shown).fullmatch(got) is None:
