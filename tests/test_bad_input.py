@@ -738,3 +738,41 @@ def test_a_crafting_budget_beyond_the_bound_is_refused_at_attach_not_run(kind):
     with _pytest.raises(ValueError, match=r"`craft_steps`: 1000000000000; use an integer in \[0, 10000\]"):
         _Auditor(optimizer, module=model, canary=canaries, canaries_per_step=4)
     assert _untouched(optimizer)
+
+
+def test_the_callback_refuses_an_optimizer_the_trainer_does_not_step_before_any_step(tmp_path):
+    other = _private(seed=0)[1]  # a DPOptimizer of another model
+    callback = DPAuditCallback(seed=0, optimizer=other)
+    module = _ManualPrivate(unwrap=True)
+    module.automatic_optimization, module.on_train_start = True, lambda: None
+    module.training_step = lambda batch, i: _torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
+    trainer = _pl.Trainer(max_steps=4, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", callbacks=[callback])
+    with _pytest.raises(ValueError, match=r"`optimizer`: the DPOptimizer passed is not one of the Trainer's optimizers "
+                                          r"\(DPOptimizer\), so no step of this fit would be audited"):
+        trainer.fit(module, datamodule=_DigitsData())
+    assert trainer.global_step == 0 and _untouched(other) and _untouched(trainer.optimizers[0])
+
+
+def test_the_callback_audits_the_trainers_optimizer_when_it_is_passed(tmp_path):
+    _pl.seed_everything(0, verbose=False)
+    module = _ManualPrivate(unwrap=True)
+    module.automatic_optimization, module.on_train_start = True, lambda: None
+    module.training_step = lambda batch, *rest: _torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
+    optimizer = {}
+
+    def configure():
+        optimizer["dp"] = _ManualPrivate.configure_optimizers(module)
+        return optimizer["dp"]
+
+    class Passing(DPAuditCallback):
+        def on_fit_start(self, trainer, pl_module):
+            self.optimizer = optimizer["dp"]
+            super().on_fit_start(trainer, pl_module)
+
+    module.configure_optimizers = configure
+    callback = Passing(seed=0)
+    trainer = _pl.Trainer(max_steps=3, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", callbacks=[callback])
+    trainer.fit(module, datamodule=_DigitsData())
+    assert callback.auditor.steps == 3

@@ -43,6 +43,21 @@ ALERT_TAG = "dpaudit/alert"  # the alert's line as TensorBoard text
 _warn_at_user_code = rank_zero_only(warn_at_user_code)
 
 
+def check_optimizer_trained(optimizer, optimizers) -> None:
+    """The optimizer passed must be one the Trainer steps: an audit of another optimizer would watch no step of
+    this fit and report on it all the same."""
+    from ..engine.options import unwrapped_optimizer
+
+    inner = unwrapped_optimizer(optimizer)
+    if not any(unwrapped_optimizer(o) is inner for o in optimizers):
+        names = ", ".join(type(o).__name__ for o in optimizers) or "none"
+        raise ValueError(
+            f"Unexpected value for `optimizer`: the {type(inner).__name__} passed is not one of the Trainer's "
+            f"optimizers ({names}), so no step of this fit would be audited; pass the optimizer that "
+            "configure_optimizers returns, or None to find it"
+        )
+
+
 def check_optimizer(optimizer) -> None:
     """None (found among the Trainer's optimizers at fit start), or an Opacus DPOptimizer, in Lightning's wrapper or not."""
     if optimizer is None:
@@ -151,6 +166,8 @@ class DPAuditCallback(AuditCheckpointing, Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizer = self.optimizer if self.optimizer is not None else find_dp_optimizer(trainer.optimizers)
+        if self.optimizer is not None:
+            check_optimizer_trained(self.optimizer, trainer.optimizers)
         accountant = self.accountant if self.accountant is not None else module_accountant(pl_module)
         check_accountant_matches(accountant, optimizer)
         self._trainer = trainer
