@@ -455,10 +455,30 @@ from lightning_dpaudit import estimators as _est  # noqa: E402
     (lambda: _est.epsilon_lower_bound([1.0, float("nan")], [0.0], delta=1e-5), r"only finite numbers"),
     (lambda: _est.epsilon_lower_bound([1.0], [0.0], delta=1e-5, confidence=1.0), r"`confidence`: 1.0"),
     (lambda: _est.mu_to_epsilon(1.0, "1e-5"), r"`delta`"),
+    (lambda: _est.epsilon_lower_bound([1.0], [0.0], delta=1e-5, threshold=True), r"`threshold`: True; pass a number, None or 'best'"),
+    (lambda: _est.epsilon_lower_bound([1.0], [0.0], delta=1e-5, threshold=[0.5]), r"`threshold`: \[0.5\]; pass a number"),
+    (lambda: _est.clopper_pearson_upper(5, 3, 0.95), r"`k` \(5\) cannot exceed `n` \(3\)"),
+    (lambda: _est.clopper_pearson_upper([1, 4], [2, 3], 0.95), r"`k` \(4\) cannot exceed `n` \(3\)"),
+    (lambda: _est.clopper_pearson_upper(-1, 3, 0.95), r"`k`: -1; counts must be whole numbers >= 0"),
+    (lambda: _est.clopper_pearson_upper(1, 3.5, 0.95), r"`n`: 3.5"),
+    (lambda: _est.clopper_pearson_upper(1, 3, 2.0), r"`level`: 2.0; it must lie in \(0, 1\)"),
+    (lambda: _est.end_to_end_epsilon(1, delta=1e-5, history=[(1.0, 0.1)]), r"Unexpected entry in `history`: \(1.0, 0.1\); each is \(noise_multiplier, sample_rate, steps\)"),
+    (lambda: _est.end_to_end_epsilon(1, delta=1e-5, history=[None]), r"Unexpected entry in `history`: None"),
+    (lambda: _est.end_to_end_epsilon(1, delta=1e-5, history="abc"), r"`history`: 'abc'; pass a list of"),
+    (lambda: _est.one_run_bounds([0.1, 0.2], [True, False], delta=1e-5), r"`scores`: a list; pass a dict of score name"),
+    (lambda: _est.one_run_bounds({"loss": list(range(10))}, [True, False] * 5, delta=1e-5, selection="split", seed=-1),
+     r"`seed`: -1; use an integer >= 0"),
 ])
 def test_estimators_refuse_bad_arguments_by_name(call, message):
     with _pytest.raises(ValueError, match=message):
         call()
+
+
+def test_clopper_pearson_upper_still_bounds_valid_counts():
+    assert float(_est.clopper_pearson_upper(0, 0, 0.95)) == 1.0 and float(_est.clopper_pearson_upper(3, 3, 0.95)) == 1.0
+    assert 0.0 < float(_est.clopper_pearson_upper(0, 10, 0.95)) < 0.3
+    assert _np.allclose(_est.clopper_pearson_upper(_np.array([0, 5]), _np.array([10, 10]), 0.95),
+                        [_est.clopper_pearson_upper(0, 10, 0.95), _est.clopper_pearson_upper(5, 10, 0.95)])
 
 
 def test_end_to_end_epsilon_is_never_negative():

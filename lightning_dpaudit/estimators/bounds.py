@@ -96,8 +96,24 @@ def _check_method(method: str, delta: float) -> None:
 
 
 def clopper_pearson_upper(k, n, level: float):
-    """One-sided Clopper-Pearson upper bound on a proportion k/n at `level` (1 when n=0)."""
-    k, n = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
+    """One-sided Clopper-Pearson upper bound on a proportion k/n at `level` (1 when n=0).
+
+    k, n: counts (scalars or arrays of one shape), whole numbers with 0 <= k <= n; level in (0, 1).
+    """
+    if isinstance(level, bool) or not isinstance(level, (int, float, np.integer, np.floating)) or not 0.0 < level < 1.0:
+        raise ValueError(f"Unexpected value for `level`: {level}; it must lie in (0, 1)")
+    k, n = np.asarray(k), np.asarray(n)
+    for name, a in (("k", k), ("n", n)):
+        if not np.issubdtype(a.dtype, np.number) or a.dtype == bool:
+            raise ValueError(f"Unexpected value for `{name}`: counts must be whole numbers >= 0; got {a.dtype}")
+        bad = ~np.isfinite(a) | (a < 0) | (a != np.round(a))
+        if np.any(bad):
+            raise ValueError(f"Unexpected value for `{name}`: {a[bad].ravel()[0]}; counts must be whole numbers >= 0")
+    over = np.broadcast_arrays(k, n, k > n)
+    if np.any(over[2]):
+        i = int(np.argmax(over[2]))
+        raise ValueError(f"`k` ({over[0].flat[i]}) cannot exceed `n` ({over[1].flat[i]}): k counts successes among n")
+    k, n = k.astype(float), n.astype(float)
     with np.errstate(invalid="ignore", divide="ignore"):
         upper = beta.ppf(level, k + 1.0, np.maximum(n - k, 1e-300))
     return np.where(k >= n, 1.0, upper)
@@ -337,6 +353,8 @@ def epsilon_lower_bound(
         candidates = _best_candidates(in_sorted, out_sorted, BEST_CANDIDATES[method])
         valid = False
     else:
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.integer, np.floating))):
+            raise ValueError(f"Unexpected value for `threshold`: {threshold!r}; pass a number, None or 'best'")
         value = DEFAULT_THRESHOLD if threshold is None else float(threshold)
         if math.isnan(value):
             raise ValueError("Unexpected value for `threshold`: nan")

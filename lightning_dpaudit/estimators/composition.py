@@ -51,8 +51,17 @@ def end_to_end_epsilon(
         history = [(None, sample_rate, steps)]
     elif sample_rate is not None or steps is not None:
         raise ValueError("pass either `history` or `sample_rate` and `steps`, not both")
+    if isinstance(history, (str, bytes)) or not hasattr(history, "__iter__"):
+        raise ValueError(
+            f"Unexpected value for `history`: {history!r}; pass a list of (noise_multiplier, sample_rate, steps) "
+            "entries, as an Opacus accountant's `history`"
+        )
     entries = []
     for entry in history:
+        if isinstance(entry, (str, bytes)) or not hasattr(entry, "__len__") or len(entry) != 3:
+            raise ValueError(
+                f"Unexpected entry in `history`: {entry!r}; each is (noise_multiplier, sample_rate, steps)"
+            )
         _, q, n = entry
         q = check_nonnegative(q, "sample_rate")
         n = check_count(n, "steps")

@@ -114,6 +114,13 @@ def one_run_bounds(
         raise ValueError(
             f"Unexpected value for `included`: {len(included):,} canaries; at most {MAX_CANARIES:,} (10**7) are bounded"
         )
+    if not isinstance(scores, Mapping):
+        raise ValueError(
+            f"Unexpected value for `scores`: a {type(scores).__name__}; pass a dict of score name -> one score per "
+            "canary, e.g. {'loss': losses}"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"Unexpected value for `seed`: {seed!r}; use an integer >= 0")
     if not scores:
         raise ValueError("`scores` is empty: give at least one score per canary")
     table = {name: check_scores(values, f"scores[{name!r}]") for name, values in scores.items()}
