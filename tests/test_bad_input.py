@@ -796,3 +796,48 @@ def test_the_callback_audits_the_trainers_optimizer_when_it_is_passed(tmp_path):
                           enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", callbacks=[callback])
     trainer.fit(module, datamodule=_DigitsData())
     assert callback.auditor.steps == 3
+
+
+def _final_model_cases():
+    from lightning_dpaudit import CanaryDataModule, FinalModelCanaries
+    from lightning_dpaudit.integrations.digits import DigitsCNN
+
+    def wrapped():
+        canaries = FinalModelCanaries(20, "ood", seed=1)
+        canaries.wrap(_digits())
+        return canaries
+
+    nan_inputs = _torch.zeros(4, 1, 8, 8)
+    nan_inputs[1, 0, 2, 2] = float("nan")
+    return [
+        ("custom nan inputs", lambda: FinalModelCanaries(inputs=nan_inputs, labels=_torch.zeros(4, dtype=_torch.long)),
+         r"`inputs`: 1 of its 256 input values are not finite"),
+        ("held-out inf", lambda: FinalModelCanaries(8, "mislabeled", held_out=(nan_inputs.fill_(float("inf")), _torch.tensor([0, 1, 2, 3]))),
+         r"`held_out`: 256 of its 256 input values are not finite"),
+        ("wrap None", lambda: FinalModelCanaries(20, "ood", seed=1).wrap(None), r"`dataset`: NoneType; pass a map-style dataset"),
+        ("audit None", lambda: wrapped().audit(None, delta=1e-5), r"`model`: NoneType; pass the trained torch.nn.Module"),
+        ("score None", lambda: wrapped().score("model"), r"`model`: str"),
+        ("record_start None", lambda: wrapped().record_start(None), r"`model`: NoneType"),
+        ("audit epoch", lambda: wrapped().audit(DigitsCNN(), delta=1e-5, epoch=-1), r"`epoch`: -1; use an integer >= 0"),
+        ("audit step", lambda: wrapped().audit(DigitsCNN(), delta=1e-5, step=2.5), r"`step`: 2.5"),
+        ("audit accountant epsilon", lambda: wrapped().audit(DigitsCNN(), delta=1e-5, accountant_epsilon=-1.0),
+         r"`accountant_epsilon`: -1.0; use a number >= 0, nan \(not known\) or None"),
+        ("datamodule", lambda: CanaryDataModule(5, FinalModelCanaries(20, seed=1)), r"`datamodule`: int; pass the LightningDataModule"),
+    ]
+
+
+@_pytest.mark.parametrize("case", range(10), ids=[c[0] for c in _final_model_cases()])
+def test_final_model_canaries_refuse_bad_input_by_name(case):
+    _, call, message = _final_model_cases()[case]
+    with _pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_a_final_model_audit_without_the_accountants_epsilon_still_runs():
+    from lightning_dpaudit import FinalModelCanaries
+    from lightning_dpaudit.integrations.digits import DigitsCNN
+
+    canaries = FinalModelCanaries(20, "ood", seed=1)
+    canaries.wrap(_digits())
+    result = canaries.audit(DigitsCNN(), delta=1e-5, accountant_epsilon=float("nan"), epoch=0, step=0)
+    assert all(b.epsilon >= 0 for b in result.bounds.values())

@@ -26,6 +26,11 @@ class CanaryDataModule(pl.LightningDataModule):
 
     def __init__(self, datamodule: pl.LightningDataModule, canaries: FinalModelCanaries):
         super().__init__()
+        if not isinstance(datamodule, pl.LightningDataModule):
+            raise ValueError(
+                f"Unexpected value for `datamodule`: {type(datamodule).__name__}; pass the LightningDataModule whose "
+                "training data the canaries join"
+            )
         if not isinstance(canaries, FinalModelCanaries):
             raise ValueError(f"Unexpected value for `canaries`: {type(canaries).__name__}; pass a FinalModelCanaries")
         self.datamodule, self.canaries = datamodule, canaries

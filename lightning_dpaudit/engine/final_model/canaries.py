@@ -144,6 +144,10 @@ class FinalModelCanaries:
 
     def wrap(self, dataset) -> "CanaryDataset":
         """`dataset` (items (input, label)) followed by the included canaries."""
+        if dataset is None or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ValueError(
+                f"Unexpected value for `dataset`: {type(dataset).__name__}; pass a map-style dataset of (input, label) items"
+            )
         if isinstance(dataset, CanaryDataset):
             raise ValueError("Unexpected value for `dataset`: it is already a CanaryDataset; wrap the base dataset once")
         template = DataTemplate.of(dataset)
@@ -186,6 +190,7 @@ class FinalModelCanaries:
 
     def record_start(self, model: torch.nn.Module) -> None:
         """Record each canary's loss l_i(theta_0) under the model before training ("loss_change")."""
+        _check_model(model)
         if self._start is not None:
             raise ValueError(
                 "the start losses are already recorded (or loaded from a checkpoint); record them once, before training"
@@ -194,6 +199,7 @@ class FinalModelCanaries:
 
     def score(self, model: torch.nn.Module) -> Dict[str, np.ndarray]:
         """{"loss", "logit_margin"[, "loss_change"]} per canary (scores.py); larger = more likely included."""
+        _check_model(model)
         return score_canaries(model, *self.examples, loss_fn=self._loss_fn, batch_size=self._batch_size,
                               start_losses=self._start)
 
@@ -201,6 +207,15 @@ class FinalModelCanaries:
               accountant_epsilon: Optional[float] = None, epoch: Optional[int] = None, step: Optional[int] = None,
               selection: str = "union"):
         """Epsilon lower bounds from the model's scores and the inclusion (analysis.final_model)."""
+        epoch = None if epoch is None else integer("epoch", epoch, 0)
+        step = None if step is None else integer("step", step, 0)
+        if accountant_epsilon is not None:  # nan: not known (the accountant's epsilon skipped at this call)
+            if (isinstance(accountant_epsilon, bool) or not isinstance(accountant_epsilon, (int, float, np.integer, np.floating))
+                    or accountant_epsilon < 0):
+                raise ValueError(
+                    f"Unexpected value for `accountant_epsilon`: {accountant_epsilon!r}; use a number >= 0, nan (not "
+                    "known) or None"
+                )
         return final_model_analysis.audit_final_model(
             self.score(model), self.included, delta=delta, confidence=confidence, accountant_epsilon=accountant_epsilon,
             epoch=epoch, step=step, selection=selection, kind=self._kind,
@@ -251,6 +266,11 @@ def check_final_model(state, count: Optional[int] = None) -> None:
                           path="final_model")
     except StateError as error:
         raise AuditStateError(f"the saved final-model audit's {error}; it is damaged or not a final-model audit's state") from None
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"Unexpected value for `model`: {type(model).__name__}; pass the trained torch.nn.Module")
 
 
 class CanaryDataset(Dataset):

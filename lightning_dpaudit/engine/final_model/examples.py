@@ -96,6 +96,9 @@ def check_examples(name: str, inputs, labels) -> Examples:
         )
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8) or (len(labels) and labels.min() < 0):
         raise ValueError(f"Unexpected value for `{name}`: labels {labels.dtype}; use class indices >= 0 (not one-hot)")
+    if inputs.is_floating_point() and not bool(inputs.isfinite().all()):
+        bad = int((~inputs.isfinite()).sum())
+        raise ValueError(f"Unexpected value for `{name}`: {bad} of its {inputs.numel()} input values are not finite; use finite inputs")
     return inputs.detach().cpu(), labels.detach().cpu().long()
 
 
