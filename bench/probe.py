@@ -155,6 +155,7 @@ def judge_run(auditor, model, reference, steps, names, *, observed=True, violati
     diff = model_difference(model, reference)
     scale = max([1.0] + [float(r.abs().max()) for r in reference if r.numel() and r.isfinite().all()])
     diff = diff / scale  # float32 rounding of the canaries' add-and-remove grows with the parameters' size
+    result = auditor.result()
     text = str(result)
     if diff > TOL:
         return "silent-wrong", f"model differs from plain Opacus's by {diff:.3g}"
