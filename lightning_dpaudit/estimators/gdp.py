@@ -48,8 +48,10 @@ def mu_to_epsilon(mu: float, delta: float) -> float:
     if math.isinf(mu):
         return math.inf
     upper = max(1.0, mu * mu)
-    while delta_for(mu, upper) > delta:
+    while math.isfinite(upper) and delta_for(mu, upper) > delta:
         upper *= 2.0
+    if not math.isfinite(upper):  # epsilon near mu**2 / 2, beyond the floats (mu above ~1e154)
+        return math.inf
     return float(brentq(lambda eps: delta_for(mu, eps) - delta, 0.0, upper, xtol=1e-12, rtol=1e-14))
 
 

@@ -173,9 +173,14 @@ def _lower_rdp_epsilon(curves: _Curves, sigma: float, steps_by_q: dict, delta: f
 
 
 def _opacus_curve(sigma: float, q: float, orders: np.ndarray) -> np.ndarray:
+    """Opacus's per-step RDP curve; inf at every order where its series overflows (a noise multiplier so small,
+    1e-300, that 1 / sigma**2 is not a float: Opacus's own get_epsilon raises ZeroDivisionError there)."""
     from opacus.accountants.analysis.rdp import compute_rdp
 
-    return compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(orders))
+    try:
+        return compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(orders))
+    except (ZeroDivisionError, OverflowError):
+        return np.full(len(orders), np.inf)
 
 
 def _rdp_epsilon(curves_and_steps, orders: np.ndarray, delta: float) -> float:
