@@ -11,8 +11,7 @@ import argparse
 import torch
 from opacus import PrivacyEngine
 
-from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
+from lightning_dpaudit import DigitsCNN, PrivacyAuditor, digits_dataset
 
 
 def main(steps: int) -> None:

@@ -42,7 +42,15 @@ _LAZY = {
     "FinalModelCanaries": "engine.final_model",
     "CanaryDataModule": "integrations.final_model_data",
     "FinalModelResult": "analysis.final_model",
-    # test suites
+    # the bundled digits, for examples and first runs
+    "DigitsCNN": "integrations.digits",
+    "digits_dataset": "integrations.digits",
+    "digits_holdout": "integrations.digits",
+    "make_private_digits": "integrations.digits",
+    "train_steps": "integrations.digits",
+    # test suites and the bug zoo
+    "inject_bug": "integrations.bugs",
+    "list_bugs": "integrations.bugs",
     "audit_optimizer": "integrations.testing",
     "train_audited": "integrations.testing",
     "PrivacyAuditFailure": "integrations.testing",
@@ -57,7 +65,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .engine.final_model import FinalModelCanaries
     from .engine.pipeline import AuditFailedWarning
     from .engine.state import AuditStateError
+    from .integrations.bugs import inject_bug, list_bugs
     from .integrations.callback import DPAuditCallback, PrivacyViolationError
+    from .integrations.digits import DigitsCNN, digits_dataset, digits_holdout, make_private_digits, train_steps
     from .integrations.final_model_data import CanaryDataModule
     from .integrations.testing import PrivacyAuditFailure, audit_optimizer, train_audited
 
