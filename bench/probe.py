@@ -238,7 +238,7 @@ def option_values():
     generic_bad = [("str", "x"), ("none", None), ("list", [1]), ("nan", NAN), ("inf", INF), ("neg", -1), ("bool", True)]
     reals = {
         "delta": ([1e-300, 0.5, np.float32(1e-5)], [0, 1.0, 2.0, -1e-5, "1e-5"]),
-        "confidence": ([1e-9, 0.999999, np.float64(0.9)], [0, 1.0, 1.5, "0.95"]),
+        "confidence": ([1e-9, 0.99999, np.float64(0.9)], [0, 1.0, 1.5, "0.95", 0.999999]),
         "canary_scale": ([1e-6, 0.5, 1.0, 1e4], [0, 1e4 + 1, 1e300, "2"]),
     }
     for name, (good, bad) in reals.items():
@@ -1003,6 +1003,7 @@ def _state_case(corrupt):
         state = copy.deepcopy(saver.state_dict())
         model2, optimizer2, loader2, engine2 = private()
         engine2.accountant.history = copy.deepcopy(saver.accountant.history)  # a resume restores the accountant
+        optimizer2.generator.set_state(optimizer.generator.get_state())  # and the noise generator (else: noise repeats)
         auditor = PrivacyAuditor(optimizer2, seed=1)
         before = auditor.result(accounting=False)
         names = ["state", "saved", "steps", "format", "setup", "log", "monitor", "sampler", "pool", "fingerprints", "damaged"]
@@ -1016,6 +1017,9 @@ def _state_case(corrupt):
             final = auditor.result(accounting=False)
             if final.audit_failed:
                 return "raw", f"after loading, the next step failed: {final.audit_failed[:120]}"
+            composed = sum(n for _, _, n in engine2.accountant.history)
+            if after.steps != composed:
+                return "silent-wrong", f"loaded a state of {after.steps} steps where the accountant composed {composed}"
             if final.steps != after.steps + 1 or final.violation:
                 return "silent-wrong", (f"steps {after.steps} -> {final.steps}, violation {final.violation}: "
                                         f"{str(final).splitlines()[0][:90]}")
@@ -1363,7 +1367,9 @@ def _cli_case(argv, expect):
                 return "silent-wrong", "exit 0 but no audit_report.json"
             report = json.load(open(reports[0]))
             result = report["result"]
-            if result["n_in"] + result["n_out"] == 0 or result["violation"]:
+            # sigma 1e-300: float32 draws that noise as 0 every step, which the noise-repeat test rightly reports
+            zero_noise = "1e-300" in argv and result["violation"] and "noise" in json.dumps(report).lower()
+            if result["n_in"] + result["n_out"] == 0 or (result["violation"] and not zero_noise):
                 return "silent-wrong", f"report: n_in {result['n_in']}, violation {result['violation']}"
             return "handled", f"exit 0, report: {result['steps']} steps, {result['n_in'] + result['n_out']} obs"
         return "handled", f"exit 0: {out.getvalue().strip().splitlines()[0][:80] if out.getvalue().strip() else ''}"
@@ -1552,7 +1558,7 @@ def final_model_cases():
         ("audit delta=str", {"delta": "1e-5"}, REFUSED), ("audit confidence=1", {"delta": 1e-5, "confidence": 1}, REFUSED),
         ("audit selection=x", {"delta": 1e-5, "selection": "x"}, REFUSED),
         ("audit epoch=-1", {"delta": 1e-5, "epoch": -1}, REFUSED),
-        ("audit accountant_epsilon=nan", {"delta": 1e-5, "accountant_epsilon": NAN}, REFUSED),
+        ("audit accountant_epsilon=nan", {"delta": 1e-5, "accountant_epsilon": NAN}, HANDLED),  # nan: not known
         ("audit accountant_epsilon=-1", {"delta": 1e-5, "accountant_epsilon": -1.0}, REFUSED),
         ("audit wrong-width model", {"delta": 1e-5, "_model": "narrow"}, REFUSED),
         ("audit model returns nan", {"delta": 1e-5, "_model": "nan"}, REFUSED),
