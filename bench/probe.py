@@ -1013,11 +1013,11 @@ def _state_case(corrupt):
 
         def check(ctx, _):
             after = auditor.result(accounting=False)
+            composed = sum(n for _, _, n in engine2.accountant.history)
             run_steps(model2, optimizer2, loader2, 1)
             final = auditor.result(accounting=False)
             if final.audit_failed:
                 return "raw", f"after loading, the next step failed: {final.audit_failed[:120]}"
-            composed = sum(n for _, _, n in engine2.accountant.history)
             if after.steps != composed:
                 return "silent-wrong", f"loaded a state of {after.steps} steps where the accountant composed {composed}"
             if final.steps != after.steps + 1 or final.violation:
