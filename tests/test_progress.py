@@ -147,3 +147,46 @@ def test_crafted_demo_shows_the_crafting(tmp_path, capsys):
     assert main(["demo", "--canary", "crafted", "--canaries", "4", "--steps", "2", "--out", str(tmp_path),
                  "--no-progress-bar"]) == 0
     assert "crafting" not in capsys.readouterr().out
+
+
+def test_the_callback_shows_the_crafting_under_a_progress_bar(tmp_path, capsys):
+    """DPAuditCallback with crafted input canaries, under the Trainer's progress bar: the first build's line."""
+    import warnings
+
+    import pytorch_lightning as pl
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, Subset
+
+    from lightning_dpaudit import DPAuditCallback
+    from lightning_dpaudit.integrations.digits import digits_dataset
+
+    class Private(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = DigitsCNN()
+
+        def forward(self, x):
+            return self.model(x)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+
+        def train_dataloader(self):
+            return DataLoader(Subset(digits_dataset(), range(128)), batch_size=64)
+
+        def configure_optimizers(self):
+            _, optimizer, _ = PrivacyEngine().make_private(
+                module=self, optimizer=torch.optim.SGD(self.parameters(), lr=0.1),
+                data_loader=self.train_dataloader(), noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+            return optimizer
+
+    inputs, labels = digits_holdout(16)
+    callback = DPAuditCallback(canary="crafted", canaries_per_step=2, canary_inputs=inputs, canary_labels=labels,
+                               seed=0, report=False)
+    trainer = pl.Trainer(max_steps=2, callbacks=[callback], logger=False, default_root_dir=tmp_path,
+                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Private())
+    assert "crafting 2 input canaries: " in capsys.readouterr().out

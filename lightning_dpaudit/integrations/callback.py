@@ -24,6 +24,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ..engine.auditor import PrivacyAuditor
+from ..engine.kinds.input_canaries import show_progress
 from ..engine.options import SETTINGS, check_accountant, check_settings, flag, integer, one_argument_callable, real
 from ..engine.pipeline import AuditFailedWarning
 from ..engine.user_warning import warn_at_user_code
@@ -176,6 +177,7 @@ class DPAuditCallback(AuditCheckpointing, Callback):
         self.auditor = PrivacyAuditor(
             optimizer, accountant=accountant, module=module, on_violation=self._on_violation, **options
         )
+        show_progress(self.auditor.options.canary, trainer.progress_bar_callback is not None and trainer.is_global_zero)
         if self._pending_state is not None:
             try:
                 self._restore(self._pending_state)
