@@ -860,3 +860,29 @@ def test_a_noise_multiplier_too_small_for_the_accountants_series_gives_an_infini
         _train(model, optimizer, loader, 2)
         result = auditor.result()
     assert result.epsilon_accountant == float("inf") and result.n_in > 0 and result.audit_failed is None
+
+
+@_pytest.mark.parametrize("argv,message", [
+    (["demo", "--steps", str(10**30)], r"--steps: 10{30} is above 1000000 \(10\*\*6: .*\); use an integer in \[1, 1000000\]"),
+    (["demo", "--canaries", str(10**12)], r"--canaries: 10{12} is above 9802 for --canary dirac \(the demo model's 9802 "
+                                          r"parameters, 1 per canary\); use an integer in \[2, 9802\]"),
+    (["demo", "--canary", "random", "--canaries", "9000"], r"--canaries: 9000 is above 612 for --canary random"),
+    (["demo", "--canary", "crafted", "--canaries", "5000"], r"--canaries: 5000 is above 4096 for --canary crafted"),
+    (["demo", "--final-model", str(10**9)], r"--final-model: 10{9} is above 1000000 .*use an integer in \[2, 1000000\]"),
+    (["demo", "--seed", str(2**70)], r"--seed: \d+ is above 4294967295 \(2\*\*32 - 1: numpy's largest seed\)"),
+    (["demo", "--out", "/proc/forbidden"], r"--out: cannot create the directory /proc/forbidden"),
+])
+def test_cli_bounds_the_demos_sizes_and_seed_and_refuses_an_output_it_cannot_make(argv, message, capsys):
+    with _pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "usage: dpaudit demo" in err, err
+
+
+def test_cli_output_directory_check_leaves_nothing_behind(tmp_path):
+    from lightning_dpaudit.app.cli import build_parser
+
+    out = tmp_path / "a" / "b"
+    assert build_parser().parse_args(["demo", "--out", str(out)]).out == str(out)
+    assert not (tmp_path / "a").exists()

@@ -117,6 +117,9 @@ CPUS = os.cpu_count() or 1
 # second thread on cores shared with other work waits for them (200 steps: 5-8 s on one thread,
 # 65-75 s on two, on a 2-core machine shared with other jobs).
 DEMO_THREADS = 1
+MAX_STEPS = 10**6  # the demo's optimizer steps: about a day on one thread (200 steps: 5-8 s)
+MAX_SEED = 2**32 - 1  # numpy's seeds (the demo's data split, canaries and noise draw from it)
+MAX_FINAL_MODEL = 10**6  # final-model canaries: held in memory and scored at once (final_model/canaries.MAX_CANARIES)
 MAX_THREADS = 4 * CPUS  # torch.set_num_threads far above the cores can exhaust the process (a crash, not an error)
 AUDIT_ONLY = ("--canaries", "--final-model", "--final-model-kind")  # flags that mean nothing under --no-audit
 
@@ -133,6 +136,13 @@ def _check_demo_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error("argument --final-model-kind: needs argument --final-model (the final-model audit it configures)")
     if args.final_model_kind is None:
         args.final_model_kind = "ood"
+    if args.canaries is not None and not args.no_audit:
+        from .demo import demo_max_canaries
+
+        most, why = demo_max_canaries(args.canary)
+        if args.canaries > most:
+            parser.error(f"argument --canaries: {args.canaries} is above {most} for --canary {args.canary} ({why}); "
+                         f"use an integer in [2, {most}]")
 
 
 def _positive_real(text: str) -> float:
@@ -153,6 +163,13 @@ def _output_directory(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{existing} exists and is not a directory")
     if existing is not None and not os.access(existing, os.W_OK):
         raise argparse.ArgumentTypeError(f"{existing} is not writable")
+    missing = [p for p in (path, *path.parents) if existing is None or p not in (existing, *existing.parents)]
+    try:  # made and taken away again: refused here, before any training, if it cannot be made; nothing left behind
+        path.mkdir(parents=True, exist_ok=True)
+        for made in missing:
+            made.rmdir()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create the directory {text} ({error.strerror or error})") from None
     return text
 
 
@@ -161,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small CNN on the bundled digits with Opacus and audit it")
     demo.add_argument(
-        "--steps", type=_at_least(1), default=None,
+        "--steps", type=_at_least(1, MAX_STEPS, " (10**6: about a day of the demo on one thread)"), default=None,
         help="optimizer steps at batch 256 (default 600; for input canaries the kind's own, see --canary)",
     )
     demo.add_argument("--noise-multiplier", type=_positive_real, default=3.0, help="Opacus noise multiplier (default 3.0)")
@@ -172,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--canaries", type=_at_least(2), default=None, help="canaries per step (default: as chosen for the kind)")
     demo.add_argument(
-        "--final-model", type=_at_least(2), nargs="?", const=500, default=None, metavar="M",
+        "--final-model", type=_at_least(2, MAX_FINAL_MODEL, " (10**6: the canaries and their scores are held in memory at once)"),
+        nargs="?", const=500, default=None, metavar="M",
         help="also audit the trained model: M canaries (default 500) in the training data, each with probability 1/2",
     )
     demo.add_argument(
@@ -184,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--list-bugs", action="store_true", help="list the bug zoo and exit")
     demo.add_argument("--no-audit", action="store_true", help="train identically without the audit (baseline)")
     demo.add_argument("--out", type=_output_directory, default="dpaudit_runs", help="where TensorBoard logs and the report go")
-    demo.add_argument("--seed", type=_at_least(0), default=0)
+    demo.add_argument("--seed", type=_at_least(0, MAX_SEED, " (2**32 - 1: numpy's largest seed)"), default=0,
+                      help=f"the run's seed, 0 to {MAX_SEED} (default 0)")
     demo.add_argument(
         "--no-progress-bar", action="store_true",
         help="no progress output (by default: Lightning's bar on a terminal, about ten lines when the output is "

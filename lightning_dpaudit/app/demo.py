@@ -80,6 +80,23 @@ def demo_plan(canary: str, steps: Optional[int] = None, canaries_per_step: Optio
     return {"steps": int(steps or DEMO_STEPS), "canaries_per_step": count, "source": None}
 
 
+def demo_max_canaries(canary: str) -> tuple:
+    """(the most canaries per step the demo takes for `canary`, why): gradient canaries one coordinate each
+    (support coordinates each but dirac) of the demo model's parameters; input canaries MAX_INPUT_CANARIES."""
+    import inspect
+
+    from ..engine.auditor import PrivacyAuditor
+    from ..engine.kinds.input_canaries import INPUT_KINDS
+    from ..engine.options import MAX_INPUT_CANARIES
+
+    if canary in INPUT_KINDS:
+        return MAX_INPUT_CANARIES, "each input canary holds a per-example gradient the size of the model"
+    with torch.device("meta"):  # the shapes only: no memory, no draw from the global generator
+        parameters = sum(p.numel() for p in DigitsCNN().parameters())
+    width = 1 if canary == "dirac" else int(inspect.signature(PrivacyAuditor).parameters["support"].default)
+    return parameters // width, f"the demo model's {parameters} parameters, {width} per canary"
+
+
 class LineProgressBar(ProgressBar):
     """Lightning's progress bar as plain lines, for output that is not a terminal: one line every
     `every` optimizer steps (default: a tenth of the run, so about `lines` lines) and one at the end,
