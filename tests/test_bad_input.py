@@ -886,3 +886,26 @@ def test_cli_output_directory_check_leaves_nothing_behind(tmp_path):
     out = tmp_path / "a" / "b"
     assert build_parser().parse_args(["demo", "--out", str(out)]).out == str(out)
     assert not (tmp_path / "a").exists()
+
+
+@_pytest.mark.parametrize("content,message", [
+    (json.dumps({"result": {**_GOOD, "mu_lower_bound": float("inf")}}), r"holds the JSON constant Infinity, which write_report never writes"),
+    (json.dumps({"result": {**_GOOD, "epsilon_accountant": float("-inf")}}), r"holds the JSON constant -Infinity"),
+    ('{"result": {"steps": NaN}}', r"holds the JSON constant NaN"),
+    ("[" * 100000 + "]" * 100000, r"is nested too deeply to read"),
+    ('{"result": {"steps": 1' + "0" * 5000 + "}}", r"holds a number too long to read"),
+])
+def test_a_report_with_what_the_writer_never_writes_is_refused_in_one_line(tmp_path, content, message, capsys):
+    path = tmp_path / "audit_report.json"
+    path.write_text(content)
+    with _pytest.raises(ReportError, match=message):
+        load_report(tmp_path)
+    assert main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr()
+    assert err.out == "" and len(err.err.strip().splitlines()) == 1 and str(path) in err.err
+
+
+def test_a_report_with_the_infinite_epsilon_the_writer_writes_still_reads(tmp_path, capsys):
+    (tmp_path / "audit_report.json").write_text(json.dumps({"result": {**_GOOD, "epsilon_accountant": "inf"}}))
+    assert main(["report", str(tmp_path)]) == 0
+    assert "OK: no leak beyond the claim detected" in capsys.readouterr().out

@@ -407,6 +407,14 @@ RESULT = Section(
 )
 
 
+class _NonFiniteConstant(ValueError):
+    """JSON's NaN, Infinity or -Infinity: write_report writes strict JSON (allow_nan=False), never these."""
+
+
+def _refuse_constant(name: str):
+    raise _NonFiniteConstant(name)
+
+
 def load_report(directory) -> dict:
     """Read directory/audit_report.json back as a dict; ReportError (one line naming the file and
     what is wrong) for a damaged or foreign file, or one whose numbers contradict its verdict."""
@@ -416,11 +424,20 @@ def load_report(directory) -> dict:
     if not path.is_file():
         raise ReportError(f"{path} is not a file")
     try:
-        report = json.loads(path.read_text(encoding="utf-8"))
+        report = json.loads(path.read_text(encoding="utf-8"), parse_constant=_refuse_constant)
     except UnicodeDecodeError:
         raise ReportError(f"{path} is not a text file: not an audit report") from None
     except json.JSONDecodeError as error:
         raise ReportError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}): damaged or truncated") from None
+    except _NonFiniteConstant as error:
+        raise ReportError(
+            f"{path} holds the JSON constant {error}, which write_report never writes (a number not available is "
+            'null, an infinite one "inf" or "-inf"): damaged or not an audit report'
+        ) from None
+    except RecursionError:
+        raise ReportError(f"{path} is nested too deeply to read (deeper than any audit report): damaged or not an audit report") from None
+    except ValueError as error:  # an integer beyond Python's digit limit for int() (4300 digits by default)
+        raise ReportError(f"{path} holds a number too long to read ({error}): damaged or not an audit report") from None
     check_report(report, path)
     return report
 
