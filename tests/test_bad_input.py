@@ -889,9 +889,10 @@ def test_cli_output_directory_check_leaves_nothing_behind(tmp_path):
 
 
 @_pytest.mark.parametrize("content,message", [
-    (json.dumps({"result": {**_GOOD, "mu_lower_bound": float("inf")}}), r"holds the JSON constant Infinity, which write_report never writes"),
-    (json.dumps({"result": {**_GOOD, "epsilon_accountant": float("-inf")}}), r"holds the JSON constant -Infinity"),
-    ('{"result": {"steps": NaN}}', r"holds the JSON constant NaN"),
+    (json.dumps({"result": {**_GOOD, "mu_lower_bound": float("inf")}}),
+     r"`result.mu_lower_bound` is JSON's Infinity, which write_report never writes"),
+    (json.dumps({"result": {**_GOOD, "epsilon_accountant": float("-inf")}}), r"`result.epsilon_accountant` is JSON's Infinity"),
+    (json.dumps({"result": _GOOD, "history": [{"step": 1, "eps": float("inf")}]}), r"`history\[0\].eps` is JSON's Infinity"),
     ("[" * 100000 + "]" * 100000, r"is nested too deeply to read"),
     ('{"result": {"steps": 1' + "0" * 5000 + "}}", r"holds a number too long to read"),
 ])

@@ -407,12 +407,18 @@ RESULT = Section(
 )
 
 
-class _NonFiniteConstant(ValueError):
-    """JSON's NaN, Infinity or -Infinity: write_report writes strict JSON (allow_nan=False), never these."""
-
-
-def _refuse_constant(name: str):
-    raise _NonFiniteConstant(name)
+def _json_infinity(report) -> Optional[str]:
+    """Where `report` (as json.loads read it) holds JSON's Infinity or -Infinity, which write_report never writes
+    (strict JSON: an infinite number is "inf" or "-inf"); None if nowhere. Iterative: as deep as the parser went."""
+    stack = [("", report)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and math.isinf(value):
+            return where or "the report"
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key), item)
+                     for key, item in reversed(list(items)))
+    return None
 
 
 def load_report(directory) -> dict:
@@ -424,20 +430,19 @@ def load_report(directory) -> dict:
     if not path.is_file():
         raise ReportError(f"{path} is not a file")
     try:
-        report = json.loads(path.read_text(encoding="utf-8"), parse_constant=_refuse_constant)
+        report = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise ReportError(f"{path} is not a text file: not an audit report") from None
     except json.JSONDecodeError as error:
         raise ReportError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}): damaged or truncated") from None
-    except _NonFiniteConstant as error:
-        raise ReportError(
-            f"{path} holds the JSON constant {error}, which write_report never writes (a number not available is "
-            'null, an infinite one "inf" or "-inf"): damaged or not an audit report'
-        ) from None
     except RecursionError:
         raise ReportError(f"{path} is nested too deeply to read (deeper than any audit report): damaged or not an audit report") from None
     except ValueError as error:  # an integer beyond Python's digit limit for int() (4300 digits by default)
         raise ReportError(f"{path} holds a number too long to read ({error}): damaged or not an audit report") from None
+    infinite = _json_infinity(report)
+    if infinite is not None:
+        raise ReportError(f'{path}: `{infinite}` is JSON\'s Infinity, which write_report never writes (an infinite number is '
+                          '"inf" or "-inf"): damaged or not an audit report')
     check_report(report, path)
     return report
 
