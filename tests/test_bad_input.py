@@ -910,3 +910,21 @@ def test_a_report_with_the_infinite_epsilon_the_writer_writes_still_reads(tmp_pa
     (tmp_path / "audit_report.json").write_text(json.dumps({"result": {**_GOOD, "epsilon_accountant": "inf"}}))
     assert main(["report", str(tmp_path)]) == 0
     assert "OK: no leak beyond the claim detected" in capsys.readouterr().out
+
+
+def test_a_state_of_more_steps_than_the_accountant_composed_is_refused_and_the_auditor_unchanged():
+    from lightning_dpaudit import AuditStateError
+
+    model, optimizer, loader, engine = _private(seed=0)
+    saver = _Auditor(optimizer, seed=1)
+    _train(model, optimizer, loader, 3)
+    state = _copy.deepcopy(saver.state_dict())
+    _, optimizer2, _, engine2 = _private(seed=0)
+    engine2.accountant.history = _copy.deepcopy(engine.accountant.history)  # a resume restores the accountant
+    auditor = _Auditor(optimizer2, seed=1)
+    with _pytest.raises(AuditStateError, match=r"`steps` is 1000000000000000000; expected a whole number from 0 to 3, "
+                                               r"the steps the accountant's history composes"):
+        auditor.load_state_dict({**state, "steps": 10**18})
+    assert auditor.steps == 0
+    auditor.load_state_dict(state)  # as saved: it loads
+    assert auditor.steps == 3

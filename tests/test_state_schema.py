@@ -52,7 +52,17 @@ def saved():
     _train(model, optimizer, loader, 2)
     state = auditor.state_dict()
     assert len(state["monitor"]["segments"]) == 1 and state["sampler"]["block"]
+    assert [tuple(e) for e in accountant.history] == SAVED_ACCOUNTING
     return state
+
+
+SAVED_ACCOUNTING = [(1.0, 0.25, 2), (2.0, 0.25, 2)]  # what `saved`'s run composed (batch 64 of 256)
+
+
+def _resume_accounting(auditor):
+    """As a resume does: the accountant comes back with the saved run's history (a state's steps are at most the
+    steps its accountant composed)."""
+    auditor.accountant.history = list(SAVED_ACCOUNTING)
 
 
 def _same(a, b) -> bool:
@@ -147,6 +157,7 @@ def test_a_damaged_state_is_refused_by_field_and_the_auditor_is_unchanged(saved,
     model, optimizer, loader, auditor = _auditor_after_two_steps()
     before = auditor.state_dict()
     if message is None:
+        _resume_accounting(auditor)
         auditor.load_state_dict(state)
         assert auditor.steps == saved["steps"]
         return
@@ -159,6 +170,7 @@ def test_a_damaged_state_is_refused_by_field_and_the_auditor_is_unchanged(saved,
 
 def test_a_state_of_this_version_loads_and_the_audit_goes_on(saved):
     model, optimizer, loader, auditor = _auditor_after_two_steps()
+    _resume_accounting(auditor)
     auditor.load_state_dict(copy.deepcopy(saved))
     loaded = auditor.state_dict()
     assert saved["monitor"]["current"] == 1 and loaded["monitor"].pop("current") == 0  # the claim the optimizer holds now

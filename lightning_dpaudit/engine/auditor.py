@@ -41,7 +41,7 @@ from .options import (
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
 from .pipeline import StepPipeline
-from .state import AuditStateError, check_state, dump_state, setup_of
+from .state import AuditStateError, check_state, composed_steps, dump_state, setup_of
 from .user_warning import warn_at_user_code
 
 
@@ -304,7 +304,8 @@ class PrivacyAuditor:
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state`; AuditStateError (a ValueError), with the auditor unchanged, if it
         was taken on another set-up or is damaged."""
-        check_state(state, self.setup, claims=self.record.monitor.opening)
+        check_state(state, self.setup, claims=self.record.monitor.opening,
+                    composed=composed_steps(getattr(self.accountant, "history", None)))
         saved = self.state_dict()
         try:
             self._load(state)

@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from ..analysis.record import RECORD, SENTINELS
-from ..analysis.schema import AuditStateError, Field, Section, StateError, check_field
+from ..analysis.schema import AuditStateError, Field, Section, StateError, check_field, is_whole
 from .kinds.gradient import GRADIENT_STATE
 from .kinds.input import INPUT_STATE
 
@@ -53,11 +53,27 @@ def setup_of(mechanism, options) -> dict:
     }
 
 
-def check_state(state, setup: dict, claims: Optional[dict] = None) -> None:
+def composed_steps(history) -> Optional[int]:
+    """The steps an accountant's history composes (the sum of its (noise multiplier, sample rate, steps)
+    entries' steps: a noise schedule has several); None when the history is empty or not of that form."""
+    if not isinstance(history, (list, tuple)) or not history:
+        return None
+    total = 0
+    for entry in history:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not is_whole(entry[2]) or entry[2] < 0:
+            return None
+        total += int(entry[2])
+    return total
+
+
+def check_state(state, setup: dict, claims: Optional[dict] = None, composed: Optional[int] = None) -> None:
     """Raise AuditStateError unless `state` is a whole state of this format or an earlier one, taken on `setup`.
 
     claims: the claimed mu per observation group the auditor starts with (its monitor's `opening`):
-    the state's first claim segment must hold them.
+    the state's first claim segment must hold them. composed: the steps the accountant's history
+    composes (composed_steps), when known: the state's `steps` are at most those (every noised step the
+    audit counts, the accountant composes; it composes more when the audit stopped on a fault of its own or
+    was attached after the first steps).
     """
     if not isinstance(state, Mapping):
         raise AuditStateError(f"an audit state is a dict (from PrivacyAuditor.state_dict()); got {type(state).__name__}")
@@ -80,13 +96,33 @@ def check_state(state, setup: dict, claims: Optional[dict] = None) -> None:
         raise AuditStateError(
             "the audit state was saved on another set-up: " + "; ".join(differences) + f". To go on, {WHAT_TO_DO}."
         )
+    _check_parts(state, setup, claims)
+    _check_steps(state, composed)  # a whole state of this set-up: does the accounting back its steps?
+
+
+def _check_steps(state, composed: Optional[int]) -> None:
+    if composed is not None and state["steps"] > composed:
+        raise AuditStateError(
+            f"the audit state's `steps` is {state['steps']}; expected a whole number from 0 to {composed}, the steps the "
+            f"accountant's history composes (the audit counts no step the accountant does not): the state is damaged "
+            f"or another run's; {WHAT_TO_DO}"
+        )
+
+
+def _check_parts(state, setup: Optional[dict], claims: Optional[dict], input_kind: Optional[bool] = None) -> None:
+    """The kind's and the record's Sections, with the set-up (None: unknown, what needs it unchecked) as context."""
     if not isinstance(state["monitor"], Mapping):
         raise AuditStateError("the audit state's `monitor` is not a dict; the state is damaged")
-    ctx = {
-        "sizes": [int(np.prod(s)) for s in setup["shapes"]], "per_step": int(setup["canaries_per_step"]),
-        "groups": 1 if setup["input"] else len(setup["shapes"]), "sentinels": SENTINELS, "claims": claims,
-    }
-    kind = INPUT_STATE if setup["input"] else GRADIENT_STATE
+    if setup is None:
+        ctx = {"sentinels": SENTINELS, "claims": claims}
+        input_kind = bool(input_kind)
+    else:
+        ctx = {
+            "sizes": [int(np.prod(s)) for s in setup["shapes"]], "per_step": int(setup["canaries_per_step"]),
+            "groups": 1 if setup["input"] else len(setup["shapes"]), "sentinels": SENTINELS, "claims": claims,
+        }
+        input_kind = setup["input"]
+    kind = INPUT_STATE if input_kind else GRADIENT_STATE
     for part, section in ((KIND_LABEL, kind), (None, RECORD)):
         name = None
         try:

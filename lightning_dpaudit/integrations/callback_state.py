@@ -19,7 +19,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from ..analysis.monitor import POOLED
 from ..analysis.schema import Field, Section, StateError
 from ..engine.final_model.canaries import FINAL_MODEL
-from ..engine.state import AuditStateError, check_state
+from ..engine.state import AuditStateError, check_state, composed_steps
 from .logged_values import _from_checkpoint, _to_checkpoint
 
 HISTORY_ENTRY = Section(
@@ -128,8 +128,12 @@ class AuditCheckpointing:
         against the optimizer's noise multiplier), then restore it; nothing changes when it is refused."""
         check_callback_state(state)
         saved = None if state.get("auditor") is None else _from_checkpoint(state["auditor"])
+        accountant = self.auditor.accountant
+        live = getattr(accountant, "history", None)
+        # the accountant's history as the audit goes on with it: its own, or the saved one restored below
+        composed = composed_steps(live if live or accountant is None else state.get("accountant_history"))
         if saved is not None:
-            check_state(saved, self.auditor.setup, claims=self.auditor.record.monitor.opening)
+            check_state(saved, self.auditor.setup, claims=self.auditor.record.monitor.opening, composed=composed)
         check_accounting(saved, state.get("accountant_history"), self.auditor)
         if saved is not None:
             self.auditor.load_state_dict(saved)  # checked again, unchanged on error
