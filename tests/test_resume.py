@@ -175,3 +175,35 @@ def test_a_checkpoint_whose_accounting_is_another_runs_is_refused_at_resume(tmp_
     assert resumed.auditor is None and resumed.history == [] and not resumed.alerted
     optimizer = module.trainer.optimizers[0]
     assert "add_noise" not in vars(optimizer) and not hasattr(optimizer, "_dpaudit_auditor")
+
+
+def test_a_checkpoint_without_its_audit_or_with_a_damaged_one_is_refused_when_it_is_loaded(tmp_path):
+    """Before the auditor exists (the callback's load_state_dict before fit start): a state without the auditor's
+    (which would restart the audit at step 0) and an auditor state damaged in what needs no set-up are refused
+    by name, nothing kept; the intact state, and one of a callback that never audited, load."""
+    from lightning_dpaudit import AuditStateError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.seed_everything(0, verbose=False)
+        _trainer(1, [DPAuditCallback(seed=0, report=False), ModelCheckpoint(dirpath=tmp_path)]).fit(
+            SeededNoise(), datamodule=Digits())
+    (path,) = tmp_path.glob("*.ckpt")
+    saved = torch.load(path, weights_only=True)["callbacks"]["DPAuditCallback"]
+    steps = TRAIN // BATCH
+    assert saved["auditor"]["steps"] == steps and saved["accountant_history"] == [[1.0, BATCH / TRAIN, steps]]
+    for corrupt, message in [
+        (lambda s: {k: v for k, v in s.items() if k != "auditor"}, r"`auditor` is missing, but the state holds .*`accountant_history`"),
+        (lambda s: {**s, "auditor": {**s["auditor"], "steps": -5}}, r"`steps` is -5; expected a whole number >= 0"),
+        (lambda s: {**s, "auditor": {**s["auditor"], "steps": steps + 1}},
+         rf"`steps` is {steps + 1}; expected a whole number from 0 to {steps}, the steps the accountant's history composes"),
+        (lambda s: {**s, "auditor": {**s["auditor"], "log": None}}, r"`log` is None; expected a dict"),
+    ]:
+        callback = DPAuditCallback(seed=0, report=False)
+        with pytest.raises(AuditStateError, match=message):
+            callback.load_state_dict(corrupt(saved))
+        assert callback._pending_state is None and callback.auditor is None
+    callback = DPAuditCallback(seed=0, report=False)
+    callback.load_state_dict(saved)
+    assert callback._pending_state["auditor"]["steps"] == steps
+    DPAuditCallback(seed=0).load_state_dict({"history": [], "alerted": False})  # never audited (0.1.0 wrote no auditor)

@@ -100,6 +100,41 @@ def check_state(state, setup: dict, claims: Optional[dict] = None, composed: Opt
     _check_steps(state, composed)  # a whole state of this set-up: does the accounting back its steps?
 
 
+def check_state_alone(state, composed: Optional[int] = None) -> None:
+    """What check_state checks without an auditor's set-up (AuditStateError naming the field): the header, and the
+    kind's and the record's fields against the set-up the state records (format 2) or implies (0.1.0). A state
+    loaded before its auditor exists (DPAuditCallback before fit start) is checked so; check_state at fit start
+    checks it against the set-up there."""
+    if not isinstance(state, Mapping):
+        raise AuditStateError(f"an audit state is a dict (from PrivacyAuditor.state_dict()); got {type(state).__name__}")
+    missing = [k for k in REQUIRED if k not in state]
+    if missing:
+        raise AuditStateError(f"the audit state lacks {', '.join(map(repr, missing))}: it is damaged or not an audit state; {WHAT_TO_DO}")
+    version = _version(state)
+    try:
+        HEADER.check(state)
+    except StateError as error:
+        raise AuditStateError(f"the audit state's {error}; it is damaged, {WHAT_TO_DO}") from None
+    saved = state.get("setup")
+    if version >= 2:
+        try:
+            SETUP_RECORD.check(saved, path="setup")
+        except StateError as error:
+            raise AuditStateError(f"the audit state's {error}; it is damaged, {WHAT_TO_DO}") from None
+        _check_parts(state, saved, None)
+    else:
+        saved_input = bool(state.get("input_canaries")) or "pool" not in (state["sampler"] or {})
+        _check_parts(state, None, None, input_kind=saved_input)
+    _check_steps(state, composed)
+
+
+# The set-up record's fields that check_state_alone reads as context
+SETUP_RECORD = Section(
+    "setup", Field("shapes", "list", items=Field("shape", "list", items=Field("size", "int", low=0))),
+    Field("canaries_per_step", "int", low=1), Field("input", "bool"),
+)
+
+
 def _check_steps(state, composed: Optional[int]) -> None:
     if composed is not None and state["steps"] > composed:
         raise AuditStateError(

@@ -19,7 +19,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from ..analysis.monitor import POOLED
 from ..analysis.schema import Field, Section, StateError
 from ..engine.final_model.canaries import FINAL_MODEL
-from ..engine.state import AuditStateError, check_state, composed_steps
+from ..engine.state import AuditStateError, check_state, check_state_alone, composed_steps
 from .logged_values import _from_checkpoint, _to_checkpoint
 
 HISTORY_ENTRY = Section(
@@ -43,6 +43,20 @@ FINAL_MODEL_TRACKER = Section(
           optional=True),
 )
 
+def _auditor_present(state, ctx):
+    """The auditor's state is written with the rest (null before an audit started): a state without it that holds
+    anything of an audit (logged bounds, an alert, the accountant's history, the noise generator) would restart
+    the audit at step 0 under the saved accounting. One that holds nothing of one is a callback's before fit
+    (version 0.1.0 wrote no `auditor` then)."""
+    if "auditor" in state:
+        return None
+    held = [key for key in ("history", "alerted", "accountant_history", "noise_generator") if state.get(key)]
+    if held:
+        return "auditor", (f"is missing, but the state holds {', '.join(f'`{k}`' for k in held)} of an audit: resuming "
+                           "would restart the audit at step 0")
+    return None
+
+
 CALLBACK = Section(
     "callback",
     Field("history", "list", items=HISTORY_ENTRY),
@@ -51,6 +65,7 @@ CALLBACK = Section(
     Field("auditor", "map", null=True, optional=True),  # the auditor's own state: checked by the auditor (engine/state.py)
     Field("accountant_history", "list", items=Field("entry", "any", rule=_accountant_entry), optional=True),
     Field("noise_generator", "any", optional=True),  # a torch.Generator's state: torch checks it when it is set
+    rules=(_auditor_present,),
 )
 LEGACY_KEY = "DPAuditCallback{"  # version 0.1.0 keyed the callback's state by its options
 
@@ -61,7 +76,7 @@ class AuditCheckpointing:
 
     def state_dict(self) -> dict:
         """CALLBACK's fields (the auditor's state converted for torch.load(weights_only=True))."""
-        state = {"history": list(self.history), "alerted": self.alerted}
+        state = {"history": list(self.history), "alerted": self.alerted, "auditor": None}
         if self.final_model is not None:
             state["final_model"] = self.final_model.state_dict()
         if self.auditor is not None:
@@ -114,6 +129,9 @@ class AuditCheckpointing:
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_callback_state(state_dict)
+        if self.auditor is None and state_dict.get("auditor") is not None:
+            # what can be checked before the auditor exists (the rest at fit start, against its set-up)
+            check_state_alone(_from_checkpoint(state_dict["auditor"]), composed_steps(state_dict.get("accountant_history")))
         if self.final_model is not None and state_dict.get("final_model") is not None:
             self.final_model.load_state_dict(state_dict["final_model"])  # before the data loader first reads the canaries
         self._pending_state = dict(state_dict)
