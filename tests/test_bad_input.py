@@ -928,3 +928,32 @@ def test_a_state_of_more_steps_than_the_accountant_composed_is_refused_and_the_a
     assert auditor.steps == 0
     auditor.load_state_dict(state)  # as saved: it loads
     assert auditor.steps == 3
+
+
+@_pytest.mark.parametrize("value,message", [
+    (float("nan"), r"noise_multiplier: nan"), (-1.0, r"noise_multiplier: -1.0"), ("2", r"noise_multiplier: '2' of type str"),
+])
+def test_a_noise_multiplier_opacus_cannot_draw_with_is_named_by_the_audit_before_opacus_fails(value, message):
+    """Mid-run: plain Opacus's add_noise raises on it too (a torch error); the step raises the audit's clear
+    ValueError first, and the audit records it."""
+    model, optimizer, loader, _ = _private(seed=0)
+    auditor = _Auditor(optimizer, seed=1)
+    _train(model, optimizer, loader, 1)
+    optimizer.noise_multiplier = value
+    with _pytest.raises(ValueError, match=message):
+        _train(model, optimizer, loader, 1)
+    assert "noise_multiplier" in auditor.result(accounting=False).audit_failed
+    assert not hasattr(optimizer, "_dpaudit_auditor")  # detached: the optimizer as without the audit
+
+
+def test_a_noise_multiplier_of_zero_mid_run_does_not_stop_training():
+    """Plain Opacus completes a step at noise multiplier 0 (no noise): so does the audited optimizer."""
+    from lightning_dpaudit.engine.pipeline import AuditFailedWarning
+
+    model, optimizer, loader, _ = _private(seed=0)
+    auditor = _Auditor(optimizer, seed=1)
+    _train(model, optimizer, loader, 1)
+    optimizer.noise_multiplier = 0.0
+    with _pytest.warns(AuditFailedWarning):
+        _train(model, optimizer, loader, 1)
+    assert "noise_multiplier" in auditor.result(accounting=False).audit_failed

@@ -23,11 +23,15 @@ not the optimizer's own add_noise, not a KeyboardInterrupt) detaches the audit: 
 ends as it would without it (the optimizer's add_noise once on the data's own sum, in
 the same draw order), one AuditFailedWarning is issued, and the record keeps the cause.
 Under several processes the error is raised (a rank leaving the collectives alone would
-hang the others).
+hang the others). A noise multiplier the optimizer's own add_noise cannot draw with (a string,
+NaN or negative; plain Opacus raises a torch error there) ends the step with the audit's
+ValueError naming it instead: the step could not complete without the audit either.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from contextlib import contextmanager
 from typing import Callable, Optional
@@ -60,6 +64,21 @@ class NoiseCalls:
                 raise
 
         path.add_noise = counted
+
+
+def plain_noise_fails(optimizer) -> bool:
+    """Whether the optimizer's own add_noise raises on its noise multiplier, as Opacus draws it (std = noise_multiplier
+    * max_grad_norm: a string, or a NaN or negative std other than 0); never for a value Opacus draws noise with."""
+    sigma = getattr(optimizer, "noise_multiplier", None)
+    if isinstance(sigma, str):
+        return True
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
+        return False
+    try:
+        std = sigma * optimizer.max_grad_norm
+    except Exception:
+        return False
+    return isinstance(std, numbers.Real) and std != 0 and (math.isnan(std) or std < 0)
 
 
 class StepPipeline:
@@ -179,6 +198,15 @@ class StepPipeline:
                 owner.detach()
         except Exception:  # the plain step from here on all the same (self.failed)
             pass
+        optimizer = getattr(self.path, "optimizer", None)
+        if not noised and plain_noise_fails(optimizer):
+            # the optimizer's own add_noise would raise on its noise multiplier, as plain Opacus does: the step
+            # cannot complete either way, and this error says why (before Opacus's own, a torch error)
+            sigma = optimizer.noise_multiplier
+            if "noise_multiplier" in str(error):
+                raise error
+            raise ValueError(f"Unexpected value for the optimizer's noise_multiplier: {sigma!r}; the optimizer's own "
+                             "add_noise cannot draw noise with it (it must be a finite number > 0)") from error
         if not noised:
             for p in self.kind.probe.params:
                 data = getattr(p, "summed_grad", None)
