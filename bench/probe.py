@@ -1315,7 +1315,7 @@ def cli_cases():
         (["demo", "--noise-multiplier", "-1"], REFUSED), (["demo", "--noise-multiplier", "inf"], REFUSED),
         (["demo", "--noise-multiplier", "1e-300", "--steps", "2", "--canaries", "4"], HANDLED),
         (["demo", "--noise-multiplier", "abc"], REFUSED), (["demo", "--seed", "-5"], REFUSED),
-        (["demo", "--seed", str(2**70), "--steps", "2", "--canaries", "4"], HANDLED),
+        (["demo", "--seed", str(2**70), "--steps", "2", "--canaries", "4"], REFUSED),
         (["demo", "--threads", "0"], REFUSED), (["demo", "--canary", "DIRAC"], REFUSED),
         (["demo", "--final-model", "1"], REFUSED), (["demo", "--final-model", str(10**9)], REFUSED),
         (["demo", "--final-model-kind", "ood"], REFUSED), (["demo", "--no-audit", "--canaries", "4"], REFUSED),
