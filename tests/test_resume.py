@@ -152,17 +152,25 @@ def test_checkpoint_noise_generator_warns_when_the_noise_comes_from_the_global_g
     assert "noise_generator" not in callback.state_dict()
 
 
-def test_a_checkpoint_whose_accounting_is_another_runs_is_refused_at_resume(tmp_path):
-    """The saved accountant history never composes the optimizer's noise multiplier: the resumed fit
-    stops at fit start, naming it, with the optimizer as it was and the callback's history untouched."""
-    from lightning_dpaudit import AuditStateError
-
+def _one_epoch_checkpoint(tmp_path):
+    """The checkpoint of one audited epoch of SeededNoise (seed 0), in tmp_path."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pl.seed_everything(0, verbose=False)
         _trainer(1, [DPAuditCallback(seed=0, report=False), ModelCheckpoint(dirpath=tmp_path)]).fit(
             SeededNoise(), datamodule=Digits())
-        (path,) = tmp_path.glob("*.ckpt")
+    (path,) = tmp_path.glob("*.ckpt")
+    return path
+
+
+def test_a_checkpoint_whose_accounting_is_another_runs_is_refused_at_resume(tmp_path):
+    """The saved accountant history never composes the optimizer's noise multiplier: the resumed fit
+    stops at fit start, naming it, with the optimizer as it was and the callback's history untouched."""
+    from lightning_dpaudit import AuditStateError
+
+    path = _one_epoch_checkpoint(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         checkpoint = torch.load(path, weights_only=False)
         saved = checkpoint["callbacks"]["DPAuditCallback"]
         assert saved["accountant_history"] == [[1.0, BATCH / TRAIN, TRAIN // BATCH]]
@@ -183,12 +191,7 @@ def test_a_checkpoint_without_its_audit_or_with_a_damaged_one_is_refused_when_it
     by name, nothing kept; the intact state, and one of a callback that never audited, load."""
     from lightning_dpaudit import AuditStateError
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pl.seed_everything(0, verbose=False)
-        _trainer(1, [DPAuditCallback(seed=0, report=False), ModelCheckpoint(dirpath=tmp_path)]).fit(
-            SeededNoise(), datamodule=Digits())
-    (path,) = tmp_path.glob("*.ckpt")
+    path = _one_epoch_checkpoint(tmp_path)
     saved = torch.load(path, weights_only=True)["callbacks"]["DPAuditCallback"]
     steps = TRAIN // BATCH
     assert saved["auditor"]["steps"] == steps and saved["accountant_history"] == [[1.0, BATCH / TRAIN, steps]]

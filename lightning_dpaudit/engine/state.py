@@ -75,16 +75,7 @@ def check_state(state, setup: dict, claims: Optional[dict] = None, composed: Opt
     audit counts, the accountant composes; it composes more when the audit stopped on a fault of its own or
     was attached after the first steps).
     """
-    if not isinstance(state, Mapping):
-        raise AuditStateError(f"an audit state is a dict (from PrivacyAuditor.state_dict()); got {type(state).__name__}")
-    missing = [k for k in REQUIRED if k not in state]
-    if missing:
-        raise AuditStateError(f"the audit state lacks {', '.join(map(repr, missing))}: it is damaged or not an audit state; {WHAT_TO_DO}")
-    version = _version(state)
-    try:
-        HEADER.check(state)
-    except StateError as error:
-        raise AuditStateError(f"the audit state's {error}; it is damaged, {WHAT_TO_DO}") from None
+    version = _checked_header(state)
     saved = state.get("setup")
     if version >= 2:
         if not isinstance(saved, Mapping):
@@ -100,11 +91,9 @@ def check_state(state, setup: dict, claims: Optional[dict] = None, composed: Opt
     _check_steps(state, composed)  # a whole state of this set-up: does the accounting back its steps?
 
 
-def check_state_alone(state, composed: Optional[int] = None) -> None:
-    """What check_state checks without an auditor's set-up (AuditStateError naming the field): the header, and the
-    kind's and the record's fields against the set-up the state records (format 2) or implies (0.1.0). A state
-    loaded before its auditor exists (DPAuditCallback before fit start) is checked so; check_state at fit start
-    checks it against the set-up there."""
+
+def _checked_header(state) -> int:
+    """The state's format, once it is a dict holding every required part and its header passes HEADER."""
     if not isinstance(state, Mapping):
         raise AuditStateError(f"an audit state is a dict (from PrivacyAuditor.state_dict()); got {type(state).__name__}")
     missing = [k for k in REQUIRED if k not in state]
@@ -115,6 +104,14 @@ def check_state_alone(state, composed: Optional[int] = None) -> None:
         HEADER.check(state)
     except StateError as error:
         raise AuditStateError(f"the audit state's {error}; it is damaged, {WHAT_TO_DO}") from None
+    return version
+
+def check_state_alone(state, composed: Optional[int] = None) -> None:
+    """What check_state checks without an auditor's set-up (AuditStateError naming the field): the header, and the
+    kind's and the record's fields against the set-up the state records (format 2) or implies (0.1.0). A state
+    loaded before its auditor exists (DPAuditCallback before fit start) is checked so; check_state at fit start
+    checks it against the set-up there."""
+    version = _checked_header(state)
     saved = state.get("setup")
     if version >= 2:
         try:
