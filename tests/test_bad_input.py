@@ -213,7 +213,7 @@ _BAD_OPTIONS = [
 ]
 
 
-@_pytest.mark.parametrize("name,value,message", _BAD_OPTIONS, ids=[f"{n}={v!r}" for n, v, _ in _BAD_OPTIONS])
+@_pytest.mark.parametrize("name,value,message", _BAD_OPTIONS, ids=[f"{n}={getattr(v, '__name__', None) or repr(v)}" if callable(v) else f"{n}={v!r}" for n, v, _ in _BAD_OPTIONS])
 def test_auditor_option_refused_at_attach(name, value, message):
     _, optimizer, _, _ = _private(seed=0)
     with _pytest.raises(ValueError, match=message):
