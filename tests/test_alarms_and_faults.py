@@ -10,7 +10,8 @@ from opacus.optimizers import DPOptimizer
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_dpaudit import DPAuditCallback, PrivacyAuditor, PrivacyViolationError
-from lightning_dpaudit.analysis.report import ReportError, load_report, summary_table, write_report
+from lightning_dpaudit.analysis.report import summary_table, write_report
+from lightning_dpaudit.analysis.report_reading import ReportError, load_report
 from lightning_dpaudit.bugs import inject_bug
 from lightning_dpaudit.engine.kinds.gradient import GradientCanaries
 from lightning_dpaudit.engine.pipeline import AuditFailedWarning

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_dpaudit import DPAuditCallback
-from lightning_dpaudit.analysis.report import ReportError, load_report
+from lightning_dpaudit.analysis.report_reading import ReportError, load_report
 from lightning_dpaudit.app.cli import main
 
 # ---- the `dpaudit` command

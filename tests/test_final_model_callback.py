@@ -10,7 +10,8 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dpaudit import DPAuditCallback
-from lightning_dpaudit.analysis.report import load_report, summary_table
+from lightning_dpaudit.analysis.report import summary_table
+from lightning_dpaudit.analysis.report_reading import load_report
 from lightning_dpaudit.engine.final_model import FinalModelCanaries
 from lightning_dpaudit.integrations.digits import digits_dataset
 from lightning_dpaudit.integrations.final_model_data import CanaryDataModule

@@ -12,12 +12,12 @@ from scipy.stats import norm
 from lightning_dpaudit.analysis.report import (
     curves_figure,
     empirical_tradeoff,
-    load_report,
     report_figure,
     summary_table,
     tradeoff_figure,
     write_report,
 )
+from lightning_dpaudit.analysis.report_reading import load_report
 from lightning_dpaudit.analysis.results import AuditResult, Finding, LayerAudit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -371,7 +371,7 @@ _CONTRADICTIONS = [
 
 @pytest.mark.parametrize("make,corrupt,message", _CONTRADICTIONS)
 def test_a_report_whose_numbers_contradict_its_verdict_is_refused(tmp_path, capsys, make, corrupt, message):
-    from lightning_dpaudit.analysis.report import ReportError
+    from lightning_dpaudit.analysis.report_reading import ReportError
     from lightning_dpaudit.app.cli import VIOLATION_EXIT, main
 
     report = _written(tmp_path, make())

@@ -72,7 +72,8 @@ def _report(args) -> int:
     """Print the latest report's summary. Exit status 0 (OK), VIOLATION_EXIT (3), 1 when there is no report or
     load_report refuses it (damaged, foreign, NaN or out-of-range numbers, a verdict its numbers contradict:
     the message names the field), 2 when the directory is not one."""
-    from ..analysis.report import ReportError, load_report, summary_table
+    from ..analysis.report import summary_table
+    from ..analysis.report_reading import ReportError, load_report
 
     directory = Path(args.directory)
     if not directory.is_dir():
