@@ -563,16 +563,27 @@ def test_manual_optimization_audits_the_optimizer_inside_the_lightning_wrapper(t
     assert abs(values[is_in].mean() - 1.0) < 0.2 and abs(values[~is_in].mean()) < 0.2  # N(1, 1) in, N(0, 1) out
 
 
+def _automatic_private():
+    """_ManualPrivate's model and private optimizer under Lightning's automatic optimization (cross-entropy)."""
+    module = _ManualPrivate(unwrap=True)
+    module.automatic_optimization, module.on_train_start = True, lambda: None
+    module.training_step = lambda batch, *rest: _torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
+    return module
+
+
+def _bare_trainer(tmp_path, callback, max_steps: int):
+    """A Trainer of `max_steps` steps with `callback` alone: no logger, bar, summary or checkpoints."""
+    return _pl.Trainer(max_steps=max_steps, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                       enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", callbacks=[callback])
+
+
 def test_final_model_canaries_never_wrapped_into_the_training_data_are_refused_before_any_step(tmp_path):
     from lightning_dpaudit import FinalModelCanaries
 
     canaries = FinalModelCanaries(8, "ood", num_classes=10, seed=1)
     callback = DPAuditCallback(seed=0, final_model_canaries=canaries)  # and a datamodule without them
-    module = _ManualPrivate(unwrap=True)
-    module.automatic_optimization, module.on_train_start = True, lambda: None
-    module.training_step = lambda batch, i: _torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
-    trainer = _pl.Trainer(max_steps=4, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", callbacks=[callback])
+    module = _automatic_private()
+    trainer = _bare_trainer(tmp_path, callback, 4)
     with _pytest.raises(ValueError, match=r"`final_model_canaries`: its wrap\(\) made no training dataset.*"
                                           r"CanaryDataModule\(your_datamodule, canaries\).*canaries\.wrap\(train_dataset\)"):
         trainer.fit(module, datamodule=_DigitsData())
@@ -763,11 +774,8 @@ def test_a_crafting_budget_beyond_the_bound_is_refused_at_attach_not_run(kind):
 def test_the_callback_refuses_an_optimizer_the_trainer_does_not_step_before_any_step(tmp_path):
     other = _private(seed=0)[1]  # a DPOptimizer of another model
     callback = DPAuditCallback(seed=0, optimizer=other)
-    module = _ManualPrivate(unwrap=True)
-    module.automatic_optimization, module.on_train_start = True, lambda: None
-    module.training_step = lambda batch, i: _torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
-    trainer = _pl.Trainer(max_steps=4, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", callbacks=[callback])
+    module = _automatic_private()
+    trainer = _bare_trainer(tmp_path, callback, 4)
     with _pytest.raises(ValueError, match=r"`optimizer`: the DPOptimizer passed is not one of the Trainer's optimizers "
                                           r"\(DPOptimizer\), so no step of this fit would be audited"):
         trainer.fit(module, datamodule=_DigitsData())
@@ -776,9 +784,7 @@ def test_the_callback_refuses_an_optimizer_the_trainer_does_not_step_before_any_
 
 def test_the_callback_audits_the_trainers_optimizer_when_it_is_passed(tmp_path):
     _pl.seed_everything(0, verbose=False)
-    module = _ManualPrivate(unwrap=True)
-    module.automatic_optimization, module.on_train_start = True, lambda: None
-    module.training_step = lambda batch, *rest: _torch.nn.functional.cross_entropy(module(batch[0]), batch[1])
+    module = _automatic_private()
     optimizer = {}
 
     def configure():
@@ -792,8 +798,7 @@ def test_the_callback_audits_the_trainers_optimizer_when_it_is_passed(tmp_path):
 
     module.configure_optimizers = configure
     callback = Passing(seed=0)
-    trainer = _pl.Trainer(max_steps=3, logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", callbacks=[callback])
+    trainer = _bare_trainer(tmp_path, callback, 3)
     trainer.fit(module, datamodule=_DigitsData())
     assert callback.auditor.steps == 3
 
