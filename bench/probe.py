@@ -122,16 +122,37 @@ def plain_params(private_options, steps, during=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def run_steps(model, optimizer, loader, steps, during=None):
+def digits_made_private(*, freeze_features=False, **options):
+    """The digits CNN (seed 0), SGD on its trained tensors and a seeded loader, through Opacus's make_private with
+    noise 1, C = 1, its own noise generator, and `options` (ghost clipping, adaptive clipping, ...)."""
+    import torch
+    from opacus import PrivacyEngine
+
+    from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
+
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    for p in model.features.parameters() if freeze_features else ():
+        p.requires_grad_(False)
+    loader = torch.utils.data.DataLoader(digits_dataset(), batch_size=64, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    return PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(1),
+        **options)
+
+
+def run_steps(model, optimizer, loader, steps, during=None, loss=None):
     import torch
 
+    loss = loss or torch.nn.functional.cross_entropy
     done = 0
     while done < steps:
         for images, labels in loader:
             if during is not None:
                 during(optimizer, done)
             optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            loss(model(images), labels).backward()
             optimizer.step()
             done += 1
             if done >= steps:
@@ -591,20 +612,9 @@ def _attach_frozen():
     def run():
         quiet()
         from lightning_dpaudit import PrivacyAuditor
-        from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
-        import torch
-        from opacus import PrivacyEngine
 
         def build():
-            torch.manual_seed(0)
-            model = DigitsCNN()
-            for p in model.features.parameters():
-                p.requires_grad_(False)
-            loader = torch.utils.data.DataLoader(digits_dataset(), batch_size=64, shuffle=True,
-                                                 generator=torch.Generator().manual_seed(0))
-            return PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(
-                [p for p in model.parameters() if p.requires_grad], lr=0.1), data_loader=loader, noise_multiplier=1.0,
-                max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(1))
+            return digits_made_private(freeze_features=True)
 
         m0, o0, l0 = build()
         run_steps(m0, o0, l0, STEPS)
@@ -652,30 +662,14 @@ def _attach_ghost():
     def run():
         quiet()
         import torch
-        from opacus import PrivacyEngine
 
         from lightning_dpaudit import PrivacyAuditor
-        from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
         def build():
-            torch.manual_seed(0)
-            model = DigitsCNN()
-            loader = torch.utils.data.DataLoader(digits_dataset(), batch_size=64, shuffle=True,
-                                                 generator=torch.Generator().manual_seed(0))
-            return PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                                data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                                                criterion=torch.nn.CrossEntropyLoss(), grad_sample_mode="ghost",
-                                                noise_generator=torch.Generator().manual_seed(1))
+            return digits_made_private(criterion=torch.nn.CrossEntropyLoss(), grad_sample_mode="ghost")
 
         def train(model, optimizer, criterion, loader):
-            done = 0
-            for x, y in loader:
-                optimizer.zero_grad()
-                criterion(model(x), y).backward()
-                optimizer.step()
-                done += 1
-                if done == STEPS:
-                    return
+            run_steps(model, optimizer, loader, STEPS, loss=criterion)
 
         m, o, c, l = build()
         train(m, o, c, l)
@@ -693,22 +687,12 @@ def _attach_ghost():
 def _attach_adaptive():
     def run():
         quiet()
-        import torch
-        from opacus import PrivacyEngine
 
         from lightning_dpaudit import PrivacyAuditor
-        from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
         def build():
-            torch.manual_seed(0)
-            model = DigitsCNN()
-            loader = torch.utils.data.DataLoader(digits_dataset(), batch_size=64, shuffle=True,
-                                                 generator=torch.Generator().manual_seed(0))
-            return PrivacyEngine().make_private(
-                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
-                noise_multiplier=1.0, max_grad_norm=1.0, clipping="adaptive", target_unclipped_quantile=0.5,
-                clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.1, unclipped_num_std=5.0,
-                noise_generator=torch.Generator().manual_seed(1))
+            return digits_made_private(clipping="adaptive", target_unclipped_quantile=0.5, clipbound_learning_rate=0.2,
+                                       max_clipbound=10.0, min_clipbound=0.1, unclipped_num_std=5.0)
 
         m, o, l = build()
         run_steps(m, o, l, STEPS)
