@@ -319,3 +319,30 @@ def test_a_raised_alert_leaves_an_optimizer_built_before_the_trainer_as_it_was(t
     again = DPAuditCallback(alert=lambda result: None, seed=0, report=False)
     fit(again)  # not "already attached"
     assert again.auditor.steps == 10
+
+
+@pytest.mark.parametrize("budget", [1e-9, 1.0])
+def test_the_epsilon_chart_and_a_text_say_which_steps_have_epsilon_points(tmp_path, budget):
+    """Under a logging budget that refuses every epsilon computation after the first, the epsilon curves
+    have points at the first log step and the last only; the chart's title and a TensorBoard text say so."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    _fit(tmp_path, steps=28, callback=DPAuditCallback(log_every_n_steps=8, seed=0, logging_budget=budget), logger=logger)
+    events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    points = [e.step for e in events.Scalars("dpaudit/eps_accountant")]
+    assert points == ([8, 28] if budget < 1 else [8, 16, 24, 28])
+    assert [e.step for e in events.Scalars("dpaudit/mu_lower_bound")] == [8, 16, 24, 28]
+    (text,) = events.Tensors("dpaudit/epsilon_steps/text_summary")
+    said = text.tensor_proto.string_val[0].decode()
+    assert said.startswith(f"Epsilon points at steps {', '.join(map(str, points))}: {len(points)} of 4 log steps")
+    assert ("logging_budget=1e-09" in said) == (budget < 1)  # why the others have none
+    (config,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
+    titles = [chart.title for category in layout.category for chart in category.chart]
+    (epsilon_title,) = [t for t in titles if t.startswith("epsilon")]
+    if budget < 1:
+        assert "within 1e-07% of wall time" in epsilon_title and "dpaudit/epsilon_steps" in epsilon_title
+    else:
+        assert "a point every 8 steps" in epsilon_title

@@ -33,7 +33,7 @@ from .budget import TimeBudget
 from .callback_state import AuditCheckpointing
 from .final_model_audit import FinalModelTracker
 from .trainer_lookup import batches_per_epoch, check_accountant_matches, find_dp_optimizer, log_dir, module_accountant
-from .logged_values import CHART_LAYOUT, _add_histogram, _finite, _plain, _versions
+from .logged_values import EPSILON_STEPS_TAG, _add_histogram, chart_layout, epsilon_steps_text, _finite, _plain, _versions
 from ..analysis.results import AuditResult, violation_message
 
 ALERTS = ("warn", "raise", "stop")
@@ -205,7 +205,7 @@ class DPAuditCallback(AuditCheckpointing, Callback):
         TensorBoard shows the run."""
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_custom_scalars(CHART_LAYOUT)
+                logger.experiment.add_custom_scalars(chart_layout(self.log_every_n_steps, self.budget.share))
                 if not getattr(self, "_pointed", False):
                     self._pointed = True
                     print(f"DP audit: see it in TensorBoard with  tensorboard --logdir {logger.log_dir}")
@@ -261,6 +261,15 @@ class DPAuditCallback(AuditCheckpointing, Callback):
             self._log(trainer, pl_module, result, progress_bar=False)
         elif not self.history or self.history[-1]["step"] != result.steps:
             self._log_epsilons(trainer, result)  # the last log step skipped them for the budget
+        self._log_epsilon_steps(trainer, result.steps)
+
+    @rank_zero_only
+    def _log_epsilon_steps(self, trainer, last_step: int) -> None:
+        steps = [int(h["step"]) for h in self.history]
+        text = epsilon_steps_text(steps, self.log_every_n_steps, last_step, self.budget.share)
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(EPSILON_STEPS_TAG, text, last_step)
 
     def _final_model_end(self, trainer, result: AuditResult) -> None:
         if self.final_model is None:

@@ -8,12 +8,39 @@ import math
 import numpy as np
 import torch
 
-CHART_LAYOUT = {  # TensorBoard's Custom Scalars: both epsilons on one chart, both mus on another
-    "dpaudit": {
-        "epsilon: empirical lower bound vs accountant": ["Multiline", ["dpaudit/eps_lower_bound", "dpaudit/eps_accountant"]],
-        "per-step mu: lower bound vs claimed": ["Multiline", ["dpaudit/mu_lower_bound", "dpaudit/mu_claimed"]],
+EPSILON_STEPS_TAG = "dpaudit/epsilon_steps"  # TensorBoard text: which log steps have an epsilon point, and why
+
+
+def chart_layout(log_every_n_steps: int, logging_budget: float) -> dict:
+    """TensorBoard's Custom Scalars: both epsilons on one chart, both mus on another. The epsilon
+    chart's title says which steps have a point."""
+    if logging_budget >= 1.0:
+        covers = f"a point every {log_every_n_steps} steps"
+    else:
+        covers = (f"points only at log steps where computing them stays within {logging_budget * 100:g}% of wall time; "
+                  f"steps listed in text {EPSILON_STEPS_TAG}")
+    return {
+        "dpaudit": {
+            f"epsilon: empirical lower bound vs accountant ({covers})":
+                ["Multiline", ["dpaudit/eps_lower_bound", "dpaudit/eps_accountant"]],
+            f"per-step mu: lower bound vs claimed (a point every {log_every_n_steps} steps)":
+                ["Multiline", ["dpaudit/mu_lower_bound", "dpaudit/mu_claimed"]],
+        }
     }
-}
+
+
+def epsilon_steps_text(steps: list, log_every_n_steps: int, last_step: int, logging_budget: float) -> str:
+    """One paragraph for TensorBoard: the steps that have an epsilon point, out of how many log
+    steps, and why the others have none."""
+    log_steps = last_step // log_every_n_steps + (last_step % log_every_n_steps != 0)
+    shown = [str(s) for s in steps] if len(steps) <= 40 else [*map(str, steps[:30]), "...", *map(str, steps[-5:])]
+    text = (f"Epsilon points at steps {', '.join(shown) or 'none'}: {len(steps)} of {log_steps} log steps "
+            f"(every {log_every_n_steps} steps, and the last).")
+    if len(steps) < log_steps:
+        text += (f" The other log steps have no epsilon point: computing both epsilons there would have taken more "
+                 f"than logging_budget={logging_budget:g} of the wall time. The per-step mu curves have every log "
+                 f"step; logging_budget=1.0 gives an epsilon point at every log step.")
+    return text
 
 
 def _add_histogram(writer, tag: str, edges: np.ndarray, counts: np.ndarray, step: int) -> None:
