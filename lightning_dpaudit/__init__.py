@@ -51,6 +51,7 @@ _LAZY = {
     # test suites and the bug zoo
     "inject_bug": "integrations.bugs",
     "list_bugs": "integrations.bugs",
+    "historical_bug": "integrations.opacus_history",
     "audit_optimizer": "integrations.testing",
     "train_audited": "integrations.testing",
     "PrivacyAuditFailure": "integrations.testing",
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .integrations.callback import DPAuditCallback, PrivacyViolationError
     from .integrations.digits import DigitsCNN, digits_dataset, digits_holdout, make_private_digits, train_steps
     from .integrations.final_model_data import CanaryDataModule
+    from .integrations.opacus_history import historical_bug
     from .integrations.testing import PrivacyAuditFailure, audit_optimizer, train_audited
 
 

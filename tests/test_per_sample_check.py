@@ -129,6 +129,7 @@ def test_a_wrong_ghost_bias_norm_on_sequences_is_named(monkeypatch):
     message, step = findings["per_sample_gradients"]
     assert step == 1 and "bias`" in message and "ghost clipping" in message
     assert auditor.result().violation
+    assert auditor.result().data_path.startswith("1 step(s) compared")  # a step with a mismatch was compared
 
 
 def test_a_wrong_per_sample_gradient_under_hooks_is_named(monkeypatch):

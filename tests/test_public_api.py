@@ -45,6 +45,7 @@ def test_the_documented_names_are_public():
         "AuditFailedWarning", "AuditStateError", "audit_optimizer", "train_audited", "PrivacyAuditFailure",
         "epsilon_lower_bound", "mu_to_epsilon", "end_to_end_epsilon", "EpsilonEstimate",
         "DigitsCNN", "digits_dataset", "digits_holdout", "make_private_digits", "train_steps", "inject_bug", "list_bugs",
+        "historical_bug",
     }
     assert documented <= set(lightning_dpaudit.__all__)
     from lightning_dpaudit.engine.pipeline import AuditFailedWarning

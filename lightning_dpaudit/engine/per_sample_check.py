@@ -184,6 +184,7 @@ class PerSampleCheck:
         C = float(self.optimizer.max_grad_norm)
         self.eps = precision([*call.outputs.values(), *held], [dtype for _, dtype in call.autocast])
         rtol = max(RTOL, 4 * self.eps)
+        self.checked += 1
         for position, i in enumerate(call.chosen):
             grads = expected[position]
             total = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
@@ -193,7 +194,6 @@ class PerSampleCheck:
             if problem is not None:
                 self.note_problem(CODE, f"{problem} at step {step} (example {int(i)} of the batch)", step)
                 return
-        self.checked += 1
 
     def _held(self, batch: int, stacked: int):
         """What Opacus holds per tensor for the last batch: (kind, rows) with rows[i] example i's entry, or None."""
