@@ -261,6 +261,7 @@ def option_values():
         "delta": ([1e-300, 0.5, np.float32(1e-5)], [0, 1.0, 2.0, -1e-5, "1e-5"]),
         "confidence": ([1e-9, 0.99999, np.float64(0.9)], [0, 1.0, 1.5, "0.95", 0.999999]),
         "canary_scale": ([1e-6, 0.5, 1.0, 1e4], [0, 1e4 + 1, 1e300, "2"]),
+        "per_sample_check_budget": ([1e-9, 0.015, 1.0], [0, 1.5, -0.1, "0.02"]),
     }
     for name, (good, bad) in reals.items():
         for v in good:

@@ -77,12 +77,13 @@ def train(module, optimizer, criterion, loader, steps: int, auditor_kwargs=None)
     return auditor
 
 
+EVERY_STEP = dict(per_sample_check_every=1, per_sample_check_budget=1.0)  # every step checked, whatever it costs
 MODES = [("hooks", False), ("hooks", True), ("functorch", True), ("ew", True), ("ghost", False), ("ghost", True)]
 
 
 @pytest.mark.parametrize("mode,sequence", MODES)
 def test_correct_opacus_is_quiet_and_checked(mode, sequence):
-    auditor = train(*setup(mode, sequence=sequence), steps=6, auditor_kwargs=dict(per_sample_check_every=1))
+    auditor = train(*setup(mode, sequence=sequence), steps=6, auditor_kwargs=EVERY_STEP)
     check = auditor.per_sample_check
     assert check.failed is None and check.skipped is None
     assert check.checked == 5  # steps 1..5 (the model is found at step 0's forward pass)
@@ -98,7 +99,7 @@ def test_the_check_leaves_training_as_plain_opacus(mode):
     """With dropout in the model: the replay restores the RNG. The canaries' removal leaves float
     rounding (R - K), so plain Opacus is matched to 1e-6 and the audit without the check exactly."""
     trained = []
-    for auditor_kwargs in (None, dict(per_sample_check_every=0), dict(per_sample_check_every=1)):
+    for auditor_kwargs in (None, dict(per_sample_check_every=0), EVERY_STEP):
         module, *rest = setup(mode)
         train(module, *rest, steps=5, auditor_kwargs=None if auditor_kwargs is None else
               dict(canaries_per_step=64, **auditor_kwargs))
@@ -184,6 +185,21 @@ def test_options_are_checked_and_zero_turns_the_check_off():
     assert "  exact checks           off" in summary_table({"result": auditor.result().to_dict()})
 
 
+@pytest.mark.parametrize("budget", [1e-9, 1.0])
+def test_the_time_budget_skips_due_steps_after_the_first_check(budget):
+    """Checks at every step: a budget no check fits in leaves step 1 alone checked, and says so; 1.0 checks all."""
+    module, optimizer, criterion, loader = setup("hooks")
+    with pytest.raises(ValueError, match="per_sample_check_budget"):
+        PrivacyAuditor(optimizer, per_sample_check_budget=0.0)
+    auditor = train(module, optimizer, criterion, loader, steps=6,
+                    auditor_kwargs=dict(per_sample_check_every=1, per_sample_check_budget=budget))
+    check = auditor.per_sample_check
+    assert (check.checked, check.over_budget) == ((1, 4) if budget < 1 else (5, 0))  # steps 1..5 are due
+    said = auditor.result().data_path
+    assert ("4 due step(s) skipped to keep the checks within 0.0% of the run's time" in said) == (budget < 1)
+    assert check.spent > 0
+
+
 # ------------------------------------------------------------------ physical batches and Lightning
 
 
@@ -191,7 +207,7 @@ def train_in_physical_batches(module, optimizer, criterion, loader) -> PrivacyAu
     """One epoch in physical batches of 8 (BatchMemoryManager), exact checks at every step."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    auditor = PrivacyAuditor(optimizer, seed=3, per_sample_check_every=1)
+    auditor = PrivacyAuditor(optimizer, seed=3, **EVERY_STEP)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=optimizer) as physical:
         for x, y in physical:
             optimizer.zero_grad()
@@ -214,7 +230,7 @@ def test_lightning_training_step_unchanged_is_checked(tmp_path, accumulate):
 
     from lightning_dpaudit import DPAuditCallback
 
-    callback = DPAuditCallback(per_sample_check_every=2)
+    callback = DPAuditCallback(per_sample_check_every=2, per_sample_check_budget=1.0)
     _fit(tmp_path, steps=5, callback=callback, accumulate_grad_batches=accumulate)
     check = callback.auditor.per_sample_check
     assert check.checked == 2 and check.skipped is None and check.failed is None  # steps 1 and 3
@@ -230,7 +246,7 @@ def test_lightning_run_with_a_wrong_conv_sampler_is_flagged(tmp_path, monkeypatc
     samplers = dict(GradSampleModule.GRAD_SAMPLERS)
     samplers[nn.Conv2d] = _scaled(samplers[nn.Conv2d], "bias", 3.0, only_sequences=False)
     monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
-    callback = DPAuditCallback(per_sample_check_every=2, alert="warn")
+    callback = DPAuditCallback(per_sample_check_every=2, per_sample_check_budget=1.0, alert="warn")
     with pytest.warns(UserWarning, match="per_sample_gradients"):
         _fit(tmp_path, steps=3, callback=callback)
     message = next(m for code, m, _ in callback.auditor.problems if code == "per_sample_gradients")
@@ -283,9 +299,9 @@ def test_opacus_releases_before_1_6_are_refused_with_the_reason(version, refused
 def test_a_deterministic_model_replays_the_chosen_examples_alone_and_still_sees_a_bug(mode, monkeypatch):
     """Without dropout the chosen examples' outputs come back exactly from a replay of them alone (cheap);
     with dropout they do not, and the whole batch is replayed from its RNG state."""
-    quiet = train(*setup(mode, dropout=0.0), steps=4, auditor_kwargs=dict(per_sample_check_every=1))
+    quiet = train(*setup(mode, dropout=0.0), steps=4, auditor_kwargs=EVERY_STEP)
     assert quiet.per_sample_check.replays == {"examples": 3, "batch": 0} and quiet.problems == []
-    noisy = train(*setup(mode), steps=4, auditor_kwargs=dict(per_sample_check_every=1))
+    noisy = train(*setup(mode), steps=4, auditor_kwargs=EVERY_STEP)
     assert noisy.per_sample_check.replays == {"examples": 0, "batch": 3} and noisy.problems == []
     if mode == "ghost":
         samplers = dict(GradSampleModuleFastGradientClipping.NORM_SAMPLERS)
@@ -307,7 +323,7 @@ def test_mixed_precision_is_replayed_under_its_autocast_and_judged_at_its_precis
 
     def run(steps):
         module, optimizer, criterion, loader = setup(mode, dropout=0.0)
-        auditor = PrivacyAuditor(optimizer, seed=3, per_sample_check_every=1)
+        auditor = PrivacyAuditor(optimizer, seed=3, **EVERY_STEP)
         for _, (x, y) in zip(range(steps), loader):
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):

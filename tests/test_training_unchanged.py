@@ -57,8 +57,8 @@ def _inputs(kind):
 
 
 AUDITS = {
-    "dirac one-run": lambda module: dict(canaries_per_step=64, per_sample_check_every=1),
-    "dirac paired": lambda module: dict(canaries_per_step=64, mode="paired", per_sample_check_every=1),
+    "dirac one-run": lambda module: dict(canaries_per_step=64, per_sample_check_every=1, per_sample_check_budget=1.0),
+    "dirac paired": lambda module: dict(canaries_per_step=64, mode="paired", per_sample_check_every=1, per_sample_check_budget=1.0),
     "constant": lambda module: dict(canary="constant", canaries_per_step=16),
     "mislabeled": _inputs("mislabeled"),
     "blank": _inputs("blank"),

@@ -39,7 +39,7 @@ from .options import (
     BATCHED_CHECK_EVERY, check_accountant, check_claim, check_opacus_version, find_accountant, validate,
 )
 from .paths import PathSettings, release_path_for
-from .per_sample_check import DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
+from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
 from .pipeline import StepPipeline
 from .state import AuditStateError, check_state, composed_steps, dump_state, setup_of
 from .user_warning import warn_at_user_code
@@ -77,7 +77,9 @@ class PrivacyAuditor:
     per_sample_check_every: the steps between exact checks of a few real examples'
     per-sample gradients (ghost clipping: norms and clipping coefficients) against plain
     autograd, first at step 1 (per_sample_check.py; 0 turns them off);
-    per_sample_check_examples: the examples compared at each.
+    per_sample_check_examples: the examples compared at each;
+    per_sample_check_budget: the largest share of the run's wall time the exact checks may
+    take: a due step is skipped while they have taken more (step 1 never is; 1.0: none is).
     checksum_every: under a DistributedDPOptimizer, the steps between checks that every
     replica holds the same parameters (see distributed.py; 0 turns them off).
     """
@@ -90,7 +92,7 @@ class PrivacyAuditor:
         canary_inputs: Optional[torch.Tensor] = None, canary_labels: Optional[torch.Tensor] = None,
         loss_fn: Optional[Callable] = None, recraft_every="auto", observe_steps: Optional[int] = None,
         observation_window: int = 65_536, checksum_every: int = 100, per_sample_check_every: int = DEFAULT_EVERY,
-        per_sample_check_examples: int = DEFAULT_EXAMPLES,
+        per_sample_check_examples: int = DEFAULT_EXAMPLES, per_sample_check_budget: float = DEFAULT_BUDGET,
     ):
         import opacus
 
@@ -110,6 +112,7 @@ class PrivacyAuditor:
             canary_labels=canary_labels, loss_fn=loss_fn, recraft_every=recraft_every, observe_steps=observe_steps,
             observation_window=observation_window, checksum_every=checksum_every,
             per_sample_check_every=per_sample_check_every, per_sample_check_examples=per_sample_check_examples,
+            per_sample_check_budget=per_sample_check_budget,
         )
         path_class.check_options(options)
         check_ghost_options(optimizer, options)
@@ -152,6 +155,7 @@ class PrivacyAuditor:
         self.per_sample_check = PerSampleCheck(
             optimizer, mechanism.params, self.layer_names, self.kind.module_ref, lambda: self.pipeline.steps,
             every=per_sample_check_every if path_class.checks_per_sample else 0, examples=per_sample_check_examples,
+            budget=per_sample_check_budget,
             seed=seed,
             ghost=is_ghost(optimizer), note_problem=lambda *a: self.pipeline.note_problem(*a),
             ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer),

@@ -105,6 +105,7 @@ SETTINGS = (
     "delta", "confidence", "canary", "canaries_per_step", "mode", "estimator", "seed", "canary_scale", "moving",
     "support", "check_every", "module", "on_violation", "canary_inputs", "canary_labels", "loss_fn", "recraft_every",
     "observe_steps", "observation_window", "checksum_every", "per_sample_check_every", "per_sample_check_examples",
+    "per_sample_check_budget",
 )  # PrivacyAuditor's options that check_settings validates; the callback checks what it passes by these names
 ESTIMATORS = tuple(m for m in METHODS if m != "katz")
 INPUT_ONLY = ("canary_inputs", "canary_labels", "loss_fn", "recraft_every")  # options of input canaries alone
@@ -113,11 +114,11 @@ INPUT_ONLY = ("canary_inputs", "canary_labels", "loss_fn", "recraft_every")  # o
 def check_settings(
     *, delta, confidence, canary, canaries_per_step, mode, estimator, seed, canary_scale, moving, support, check_every,
     module, on_violation, canary_inputs, canary_labels, loss_fn, recraft_every, observe_steps, observation_window,
-    checksum_every, per_sample_check_every, per_sample_check_examples,
+    checksum_every, per_sample_check_every, per_sample_check_examples, per_sample_check_budget,
 ) -> dict:
     """The options that do not depend on the optimizer, validated: a dict of AuditOptions' fields (`canary` an
     InputCanaries for input kinds, `canaries_per_step` still "auto" if so given), or a ValueError naming the
-    first bad one. per_sample_check_every / _examples are checked and not returned.
+    first bad one. per_sample_check_every / _examples / _budget are checked and not returned.
 
     PrivacyAuditor calls it through `validate` at attach, DPAuditCallback when it is built.
     """
@@ -151,6 +152,7 @@ def check_settings(
     checksum_every = integer("checksum_every", checksum_every, 0)
     integer("per_sample_check_every", per_sample_check_every, 0)
     integer("per_sample_check_examples", per_sample_check_examples, 1)
+    real("per_sample_check_budget", per_sample_check_budget, low=0.0, high=1.0, high_open=False)
     on_violation = one_argument_callable("on_violation", on_violation)
     if module is not None and not callable(getattr(module, "parameters", None)):
         raise ValueError(f"Unexpected value for `module`: {type(module).__name__}; pass the torch.nn.Module being trained")

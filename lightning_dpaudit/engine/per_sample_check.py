@@ -23,11 +23,16 @@ per-sample gradient or norm. Tolerance: relative 1e-3, plus 1e-4 of the example'
 gradient norm; in mixed precision 4 and 1 unit roundoffs of the lowest precision involved
 (the replay runs under the forward's own autocast).
 The replay restores the RNG state and the module's buffers: training is unchanged.
+
+Cost: with T the wall time since the first step and S the time the checks took so far, a
+due step after step 1 is checked only when S <= budget * T, so over a run the checks take
+at most the budget's share of its time, plus one check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from typing import Callable, List, Optional
 
@@ -41,6 +46,7 @@ RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lo
 ATOL = 1e-4  # relative to the example's whole gradient norm (one unit roundoff, if larger)
 DEFAULT_EVERY = 100
 DEFAULT_EXAMPLES = 2
+DEFAULT_BUDGET = 0.015  # of the run's wall time; the data path's target is 2%
 CODE = "per_sample_gradients"
 
 
@@ -54,11 +60,16 @@ class PerSampleCheck:
 
     def __init__(self, optimizer, params, names, module: Callable, steps: Callable[[], int], *, every: int,
                  examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None,
-                 off_reason: Optional[str] = None):
+                 off_reason: Optional[str] = None, budget: float = DEFAULT_BUDGET):
         self.optimizer, self.params, self.names = optimizer, list(params), names
         self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
         self.module, self.steps, self.note_problem = module, steps, note_problem
         self.every, self.examples, self.ghost, self.off_reason = every, examples, ghost, off_reason
+        self.budget = budget
+        self.started: Optional[float] = None  # perf_counter at the first step seen
+        self.spent = 0.0  # seconds spent in the checks (capture, ledger, replay and comparison)
+        self.decided = (-1, False)  # (step, whether it is checked): decided once, at its first question
+        self.over_budget = 0  # due steps skipped because the checks had taken more than the budget
         self.rng = np.random.default_rng(None if seed is None else [seed, 27])
         self.target: Optional[torch.nn.Module] = None
         self.handles: list = []
@@ -82,8 +93,10 @@ class PerSampleCheck:
         if self.checked == 0:
             why = self.skipped or ("no step due yet" if steps < 2 else "no forward pass of the model was seen")
             return f"nothing compared yet ({why})"
+        skipped = (f"; {self.over_budget} due step(s) skipped to keep the checks within {self.budget:.1%} of the run's "
+                   "time" if self.over_budget else "")
         return (f"{self.checked} step(s) compared, every {self.every} from step 1: per-sample gradients of "
-                f"{self.examples} real example(s) against plain autograd, and the clipped sum of each batch")
+                f"{self.examples} real example(s) against plain autograd, and the clipped sum of each batch{skipped}")
 
     # ------------------------------------------------------------------ capture
 
@@ -91,17 +104,38 @@ class PerSampleCheck:
         """The optimizer's accumulation of a physical batch (on the instance) first feeds the ledger at checked steps."""
         def accumulate(*args, **kwargs):
             if not self.replaying and self.due(self.steps()):
-                try:
-                    self.ledger.add()
-                except Exception as error:  # the check's own failure never ends training
-                    self._stop(error, self.steps())
+                with self._timed():
+                    try:
+                        self.ledger.add()
+                    except Exception as error:  # the check's own failure never ends training
+                        self._stop(error, self.steps())
             return patch.original(*args, **kwargs)
 
         patch = self._wrapped = InstancePatch(self.optimizer, "accumulate" if self.ghost else "clip_and_accumulate",
                                               accumulate)
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and self.failed is None and step % self.every == 1 % self.every
+        """Step `step` is checked: on the cadence, and (after the first check) within the time budget."""
+        if self.every == 0 or self.failed is not None:
+            return False
+        now = time.perf_counter()
+        if self.started is None:
+            self.started = now
+        if self.decided[0] != step:
+            checked = step % self.every == 1 % self.every
+            if checked and self.checked and self.budget < 1.0 and self.spent > self.budget * (now - self.started):
+                checked = False
+                self.over_budget += 1
+            self.decided = (step, checked)
+        return self.decided[1]
+
+    @contextlib.contextmanager
+    def _timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spent += time.perf_counter() - start
 
     def _hook_target(self) -> None:
         gsm = self.module()
@@ -156,11 +190,12 @@ class PerSampleCheck:
             self._hook_target()
             if not self.due(step):
                 return
-            calls = [c for c in self.calls if c.grads]
-            self.calls = []
-            if calls:
-                self._compare(calls, step)
-            problem = None if self.ledger is None else self.ledger.problem(self.eps)
+            with self._timed():
+                calls = [c for c in self.calls if c.grads]
+                self.calls = []
+                if calls:
+                    self._compare(calls, step)
+                problem = None if self.ledger is None else self.ledger.problem(self.eps)
             if problem is not None:
                 self.note_problem("clipped_sum", f"{problem} (step {step})", step)
         except Exception as error:  # the check's own failure never ends training
