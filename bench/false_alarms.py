@@ -17,8 +17,12 @@ Modes (the naive rule is replayed for `hooks` only):
   mislabeled  the same, hooks, input canaries (held-out digits with wrong labels)
   ddp         two processes (gloo, 127.0.0.1) training an MLP with Opacus's DistributedDPOptimizer,
               fixed batches; runs one after another in the same two processes (--workers ignored)
+  blank, adversarial, crafted   the same, hooks, the other input canary kinds
   ghost       the token classifier of tests/ghost_setups.py (Embedding, Linear on flattened
               tokens, LayerNorm) under Opacus's ghost clipping
+  adaptive-ghost  the same under PrivacyEngineAdaptiveClipping (the bound moves after each step)
+  fsdp        two processes training the token classifier under Opacus's FSDP2Wrapper and
+              grad_sample_mode="ghost_fsdp" (the exact checks are off there); as ddp otherwise
 """
 
 import argparse
@@ -51,7 +55,7 @@ def _naive_alarm(obs: dict, claimed: float) -> bool:
     return False
 
 
-def _run_ghost(seed, steps, sigma):
+def _run_ghost(seed, steps, sigma, adaptive=False):
     import sys
     import warnings
     from pathlib import Path
@@ -65,7 +69,7 @@ def _run_ghost(seed, steps, sigma):
 
     from lightning_dpaudit import PrivacyAuditor
 
-    module, optimizer, criterion, loader = make_ghost(seed=10_000 + seed, noise_multiplier=sigma)
+    module, optimizer, criterion, loader = make_ghost(seed=10_000 + seed, noise_multiplier=sigma, adaptive=adaptive)
     auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None)
     train_ghost(module, optimizer, criterion, loader, steps)
     result = auditor.result()
@@ -80,13 +84,16 @@ DIGITS_MODES = {  # train_audited's arguments beyond steps, sigma and seed
     "paired": dict(mode="paired"),
     "adaclip": dict(clipping="adaptive", private_options=ADAPTIVE),
     "mislabeled": dict(canary="mislabeled"),
+    "blank": dict(canary="blank"),
+    "adversarial": dict(canary="adversarial"),
+    "crafted": dict(canary="crafted"),
 }
 
 
 def _run(args):
     seed, steps, sigma, mode = args
-    if mode == "ghost":
-        return _run_ghost(seed, steps, sigma)
+    if mode in ("ghost", "adaptive-ghost"):
+        return _run_ghost(seed, steps, sigma, adaptive=mode == "adaptive-ghost")
     import torch
     import warnings
 
@@ -106,8 +113,12 @@ def _run(args):
     return result.violation, _naive_alarm(obs, result.mu_claimed), exact
 
 
+SCRIPTS = {"ddp": "ddp_scenarios.py", "fsdp": "sharded_scenarios.py"}  # the two-process modes' scenario scripts
+
+
 def _ddp(args, start):
-    """The ddp mode: batches of runs in two fresh processes each, a rank's outcome per run (both ranks must agree)."""
+    """The ddp and fsdp modes: batches of runs in two fresh processes each, a rank's outcome per run (both ranks
+    must agree)."""
     import sys
     import tempfile
     from pathlib import Path
@@ -120,7 +131,7 @@ def _ddp(args, start):
         seeds = list(range(first, min(first + 10, args.runs)))
         with tempfile.TemporaryDirectory() as out:
             ranks = launch("false_alarms", Path(out), timeout=60.0 * len(seeds) * max(1, args.steps // 100),
-                           seeds=seeds, steps=args.steps, sigma=args.sigma)
+                           script=SCRIPTS[args.mode], seeds=seeds, steps=args.steps, sigma=args.sigma)
         for seed, outcome, other in zip(seeds, ranks[0]["outcomes"], ranks[1]["outcomes"]):
             disagree += outcome["violation"] != other["violation"]
             alarms += outcome["violation"] or other["violation"]
@@ -130,7 +141,7 @@ def _ddp(args, start):
             if outcome["audit_failed"] or other["audit_failed"]:
                 failed.append(seed)
         print(f"  {seeds[-1] + 1}/{args.runs} runs, {alarms} alarms", flush=True)
-    print(f"mode=ddp runs={args.runs} steps={args.steps} sigma={args.sigma} ({time.perf_counter() - start:.0f} s)")
+    print(f"mode={args.mode} runs={args.runs} steps={args.steps} sigma={args.sigma} ({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%); "
           f"ranks disagreeing: {disagree}; audits failed: {len(failed)}")
     print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
@@ -143,10 +154,10 @@ def main():
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--mode", choices=["hooks", "ghost", "ddp", *DIGITS_MODES], default="hooks")
+    parser.add_argument("--mode", choices=["hooks", "ghost", "adaptive-ghost", *SCRIPTS, *DIGITS_MODES], default="hooks")
     args = parser.parse_args()
     start = time.perf_counter()
-    if args.mode == "ddp":
+    if args.mode in SCRIPTS:
         return _ddp(args, start)
     jobs = [(seed, args.steps, args.sigma, args.mode) for seed in range(args.runs)]
     with Pool(args.workers) as pool:

@@ -30,16 +30,28 @@ def token_data(n: int = 512, seed: int = 0):
     return torch.utils.data.TensorDataset(x, y)
 
 
+ADAPTIVE = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.01)
+
+
 def make_ghost(*, seed: int = 0, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, batch_size: int = 64,
-               module: nn.Module = None, dataset=None, sampler=None, grad_sample_mode: str = "ghost"):
-    """make_private(..., grad_sample_mode="ghost") with a seeded noise generator: (module, optimizer, criterion, loader)."""
+               module: nn.Module = None, dataset=None, sampler=None, grad_sample_mode: str = "ghost",
+               adaptive: bool = False):
+    """make_private(..., grad_sample_mode="ghost") with a seeded noise generator: (module, optimizer, criterion, loader).
+    adaptive: Opacus's PrivacyEngineAdaptiveClipping (the clipping bound moves after each step, ADAPTIVE)."""
     model = module if module is not None else token_model(seed)
     data = dataset if dataset is not None else token_data()
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler)
-    return PrivacyEngine().make_private(
+    if adaptive:
+        from opacus.utils.adaptive_clipping import PrivacyEngineAdaptiveClipping
+
+        engine, extra = PrivacyEngineAdaptiveClipping(), ADAPTIVE
+    else:
+        engine, extra = PrivacyEngine(), {}
+    return engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
         criterion=nn.CrossEntropyLoss(), noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
         grad_sample_mode=grad_sample_mode, noise_generator=torch.Generator().manual_seed(seed + 1), poisson_sampling=False,
+        **extra,
     )
 
 

@@ -93,6 +93,24 @@ def bugs(rank, world, options):
     return found
 
 
+def false_alarms(rank, world, options):
+    """Correct audited FSDP runs one after another (bench/false_alarms.py --mode fsdp): per run, whether the alarm
+    ever fired and which findings or failures were recorded."""
+    from ghost_setups import train_ghost
+    from lightning_dpaudit import PrivacyAuditor
+
+    outcomes = []
+    for seed in options["seeds"]:
+        module, optimizer, criterion, loader = _private(rank, world, "fsdp", noise_seed=10_000 + seed)
+        auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None)
+        train_ghost(module, optimizer, criterion, loader, int(options["steps"]))
+        result = auditor.result()
+        outcomes.append({"violation": bool(result.violation), "codes": sorted({f.code for f in result.findings}),
+                         "audit_failed": result.audit_failed, "steps": result.steps})
+        auditor.detach()
+    return {"outcomes": outcomes}
+
+
 def _stop(result):
     raise _Stop
 
