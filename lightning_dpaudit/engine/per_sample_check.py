@@ -24,9 +24,10 @@ gradient norm; in mixed precision 4 and 1 unit roundoffs of the lowest precision
 (the replay runs under the forward's own autocast).
 The replay restores the RNG state and the module's buffers: training is unchanged.
 
-Cost: with T the wall time since the first step and S the time the checks took so far, a
-due step after step 1 is checked only when S <= budget * T, so over a run the checks take
-at most the budget's share of its time, plus one check.
+Cost: with T the wall time since the first step, S the time the checks took so far and c
+what the last checked step's checks took, a due step after step 1 is checked only when
+S + c <= budget * T: over a run the checks take at most the budget's share of its time while
+a check costs what the last one did.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class PerSampleCheck:
         self.started: Optional[float] = None  # perf_counter at the first step seen
         self.spent = 0.0  # seconds spent in the checks (capture, ledger, replay and comparison)
         self.decided = (-1, False)  # (step, whether it is checked): decided once, at its first question
+        self.last_cost = 0.0  # seconds the last checked step's checks took
+        self._spent_before = 0.0  # `spent` when the step being checked was decided
         self.over_budget = 0  # due steps skipped because the checks had taken more than the budget
         self.rng = np.random.default_rng(None if seed is None else [seed, 27])
         self.target: Optional[torch.nn.Module] = None
@@ -123,10 +126,11 @@ class PerSampleCheck:
             self.started = now
         if self.decided[0] != step:
             checked = step % self.every == 1 % self.every
-            if checked and self.checked and self.budget < 1.0 and self.spent > self.budget * (now - self.started):
+            over = self.spent + self.last_cost > self.budget * (now - self.started)
+            if checked and self.checked and self.budget < 1.0 and over:
                 checked = False
                 self.over_budget += 1
-            self.decided = (step, checked)
+            self.decided, self._spent_before = (step, checked), self.spent
         return self.decided[1]
 
     @contextlib.contextmanager
@@ -196,6 +200,7 @@ class PerSampleCheck:
                 if calls:
                     self._compare(calls, step)
                 problem = None if self.ledger is None else self.ledger.problem(self.eps)
+            self.last_cost = self.spent - self._spent_before
             if problem is not None:
                 self.note_problem("clipped_sum", f"{problem} (step {step})", step)
         except Exception as error:  # the check's own failure never ends training
