@@ -190,3 +190,21 @@ def test_the_callback_shows_the_crafting_under_a_progress_bar(tmp_path, capsys):
         warnings.simplefilter("ignore")
         trainer.fit(Private())
     assert "crafting 2 input canaries: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_quiet_test_run_names_each_module_and_its_slowest_tests(workers):
+    """`pytest -q` (the README's command) prints each test module's name, with its worker under xdist, and the
+    slowest tests."""
+    modules = ["tests/test_public_api.py", "tests/test_verdict.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", workers, "-p", "no:cacheprovider", *modules, "-k",
+         "documented_names or counts_only_layers"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:]
+    lines = done.stdout.splitlines()
+    for module in modules:
+        named = [line for line in lines if line.endswith(module)]
+        assert named and all(line in (module, f"[gw0] {module}", f"[gw1] {module}") for line in named), lines
+    assert "slowest 15 durations" in done.stdout
