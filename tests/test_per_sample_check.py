@@ -340,3 +340,23 @@ def test_mixed_precision_is_replayed_under_its_autocast_and_judged_at_its_precis
     owner = GradSampleModuleFastGradientClipping if mode == "ghost" else GradSampleModule
     monkeypatch.setattr(owner, "NORM_SAMPLERS" if mode == "ghost" else "GRAD_SAMPLERS", samplers)
     assert [code for code, *_ in run(2).problems] == ["per_sample_gradients"]
+
+
+def _tick():
+    warnings.warn("a warning of the user's own, shown once per location", UserWarning)
+
+
+def test_the_check_does_not_show_the_users_once_per_location_warnings_again():
+    """Python shows a default-filtered warning once per location; an exact check at every step must not reset
+    that (warnings.catch_warnings would), nor add warnings of its own beyond torch's once-per-location ones."""
+    module, optimizer, criterion, loader = setup("hooks")
+    auditor = PrivacyAuditor(optimizer, seed=3, **EVERY_STEP)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for step, (x, y) in zip(range(3), loader):
+            _tick()
+            optimizer.zero_grad()
+            criterion(module(x), y).backward()
+            optimizer.step()
+    assert auditor.per_sample_check.checked == 2
+    assert sum("of the user's own" in str(w.message) for w in caught) == 1
