@@ -252,3 +252,22 @@ def test_live_epsilon_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def _tick():
+    warnings.warn("a warning of the user's own, shown once per location", UserWarning)
+
+
+def test_composing_does_not_show_the_users_once_per_location_warnings_again():
+    """warnings.catch_warnings, left, makes Python show every once-per-location warning again; the running
+    epsilon is composed at every log step, so it must not use one."""
+    from lightning_dpaudit import end_to_end_epsilon
+
+    end_to_end_epsilon(0.8, delta=1e-5, sample_rate=0.01, steps=200, accountant="prv")  # imports (scipy's and torch's
+    # modules use catch_warnings as they load) before the warnings are counted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            _tick()
+            end_to_end_epsilon(0.8, delta=1e-5, sample_rate=0.01, steps=200, accountant="prv")
+    assert sum("of the user's own" in str(w.message) for w in caught) == 1

@@ -12,7 +12,6 @@ To recompute it (and the accountant's epsilon) at every log step of a run, use
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional, Sequence, Tuple
 
 from ._checks import check_count, check_delta, check_nonnegative
@@ -96,11 +95,11 @@ def prv_points(history: Sequence[Tuple[float, float, int]], *, delta: float) -> 
     total = sum(n for _, _, n in entries)
     if total == 0:
         return 0.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the RDP orders' warning comes again from the composition itself
-        size = compute_safe_domain_size(
-            [PoissonSubsampledGaussianPRV(q, s) for s, q, _ in entries], [n for _, _, n in entries], eps_error, delta_error,
-        )
+    # any warning here (the RDP orders') is the composition's own, from the same place, shown once per location; no
+    # warnings.catch_warnings: leaving one would show every once-per-location warning of the user's run again
+    size = compute_safe_domain_size(
+        [PoissonSubsampledGaussianPRV(q, s) for s, q, _ in entries], [n for _, _, n in entries], eps_error, delta_error,
+    )
     mesh = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
     return float(2 * size / mesh)
 
