@@ -300,7 +300,7 @@ def test_state_without_moments_gets_them_from_the_histograms():
 
 
 def test_tensorboard_histogram_is_the_logs_bins():
-    from lightning_dpaudit.integrations.callback import _add_histogram
+    from lightning_dpaudit.integrations.logged_values import _add_histogram
 
     class Writer:
         def add_histogram_raw(self, tag, **fields):
