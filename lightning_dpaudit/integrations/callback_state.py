@@ -18,8 +18,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 from ..analysis.monitor import POOLED
 from ..analysis.schema import Field, Section, StateError
-from ..engine.final_model.canaries import FINAL_MODEL
 from ..engine.state import AuditStateError, check_state, check_state_alone, composed_steps
+from .final_model_audit import FINAL_MODEL_TRACKER
 from .logged_values import _from_checkpoint, _to_checkpoint
 
 HISTORY_ENTRY = Section(
@@ -36,12 +36,6 @@ def _accountant_entry(entry, ctx) -> Optional[str]:
     return None if ok else f"is {entry!r}; expected [noise multiplier >= 0, sample rate in (0, 1], steps >= 0]"
 
 
-# FinalModelTracker's state: the canaries' (FINAL_MODEL) and the bounds logged during training.
-FINAL_MODEL_TRACKER = Section(
-    "final_model", Field("canaries", FINAL_MODEL),
-    Field("history", "list", items=Field("entry", "map", items=Field("value", "real", low=0.0, finite=False, null=True)),
-          optional=True),
-)
 
 def _auditor_present(state, ctx):
     """The auditor's state is written with the rest (null before an audit started): a state without it that holds

@@ -18,7 +18,16 @@ import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from ..analysis.final_model import FinalModelResult
+from ..analysis.schema import Field, Section
+from ..engine.final_model.canaries import FINAL_MODEL
 from .logged_values import _add_histogram
+
+# FinalModelTracker's state: the canaries' (FINAL_MODEL) and the bounds logged during training.
+FINAL_MODEL_TRACKER = Section(
+    "final_model", Field("canaries", FINAL_MODEL),
+    Field("history", "list", items=Field("entry", "map", items=Field("value", "real", low=0.0, finite=False, null=True)),
+          optional=True),
+)
 
 PREFIX = "dpaudit/final_model"
 
@@ -115,7 +124,7 @@ class FinalModelTracker:
         return {**self.result.to_dict(), "history": list(self.history)}
 
     def state_dict(self) -> dict:
-        return {"canaries": self.canaries.state_dict(), "history": list(self.history)}
+        return FINAL_MODEL_TRACKER.dump({"canaries": self.canaries.state_dict(), "history": list(self.history)})
 
     def load_state_dict(self, state: dict) -> None:
         self.canaries.load_state_dict(state["canaries"])
