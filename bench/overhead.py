@@ -90,7 +90,7 @@ def main():
             )
     base = np.median(times[None])
     print(f"canary={args.canary} steps={args.steps} rounds={args.rounds} batch={args.batch_size} canaries/step={args.canaries} threads=1")
-    print(f"| run | median seconds | ms/step | ratio to no auditor |")
+    print("| run | median seconds | ms/step | ratio to no auditor |")
     print("| --- | --- | --- | --- |")
     print(f"| no auditor | {base:.2f} | {1000 * base / args.steps:.2f} | 1.00 |")
     for mode in args.modes:

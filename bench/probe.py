@@ -1170,8 +1170,6 @@ def _callback_resume(corrupt):
         quiet()
         import logging
 
-        import torch
-
         logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
         from lightning_dpaudit import DPAuditCallback
 

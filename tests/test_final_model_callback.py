@@ -4,16 +4,13 @@ saved in checkpoints and resumed with the same secret inclusion; and the demo.""
 import json
 
 import pytest
-import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader, Subset
 
 from lightning_dpaudit import DPAuditCallback
 from lightning_dpaudit.analysis.report import summary_table
 from lightning_dpaudit.analysis.report_reading import load_report
 from lightning_dpaudit.engine.final_model import FinalModelCanaries
-from lightning_dpaudit.integrations.digits import digits_dataset
 from lightning_dpaudit.integrations.final_model_data import CanaryDataModule
 
 from test_callback import Digits, Private, _fit

@@ -2,7 +2,6 @@
 line (log, TensorBoard, a warning attributed to the user's code), the TensorBoard pointer, and the accountant's
 epsilon equal to the accountant's own."""
 
-import json
 import logging
 import math
 import warnings
