@@ -79,8 +79,8 @@ class PrivacyAuditor:
     autograd, first at step 1 (per_sample_check.py; 0 turns them off);
     per_sample_check_examples: the examples compared at each;
     per_sample_check_budget: the largest share of the run's wall time the exact checks may
-    take: a due step is skipped when checking it would pass that share, at the last check's
-    cost (step 1 never is; 1.0: none is).
+    take after step 1's: a due step is skipped when checking it would pass that share, at the
+    last check's cost (step 1 never is; 1.0: none is).
     checksum_every: under a DistributedDPOptimizer, the steps between checks that every
     replica holds the same parameters (see distributed.py; 0 turns them off).
     """

@@ -24,10 +24,10 @@ gradient norm; in mixed precision 4 and 1 unit roundoffs of the lowest precision
 (the replay runs under the forward's own autocast).
 The replay restores the RNG state and the module's buffers: training is unchanged.
 
-Cost: with T the wall time since the first step, S the time the checks took so far and c
-what the last checked step's checks took, a due step after step 1 is checked only when
-S + c <= budget * T: over a run the checks take at most the budget's share of its time while
-a check costs what the last one did.
+Cost: with T the wall time since the first step, S the time the checks took after step 1's
+(the first, never skipped, and the dearest: it warms up) and c what the last checked step's
+took, a due step is checked only when S + c <= budget * T: over a run the checks take at most
+the budget's share of its time, plus step 1's check, while a check costs what the last one did.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class PerSampleCheck:
         self.spent = 0.0  # seconds spent in the checks (capture, ledger, replay and comparison)
         self.decided = (-1, False)  # (step, whether it is checked): decided once, at its first question
         self.last_cost = 0.0  # seconds the last checked step's checks took
+        self.first_cost: Optional[float] = None  # seconds step 1's checks took (not counted against the budget)
         self._spent_before = 0.0  # `spent` when the step being checked was decided
         self.over_budget = 0  # due steps skipped because the checks had taken more than the budget
         self.rng = np.random.default_rng(None if seed is None else [seed, 27])
@@ -126,7 +127,7 @@ class PerSampleCheck:
             self.started = now
         if self.decided[0] != step:
             checked = step % self.every == 1 % self.every
-            over = self.spent + self.last_cost > self.budget * (now - self.started)
+            over = self.spent - (self.first_cost or 0.0) + self.last_cost > self.budget * (now - self.started)
             if checked and self.checked and self.budget < 1.0 and over:
                 checked = False
                 self.over_budget += 1
@@ -201,6 +202,8 @@ class PerSampleCheck:
                     self._compare(calls, step)
                 problem = None if self.ledger is None else self.ledger.problem(self.eps)
             self.last_cost = self.spent - self._spent_before
+            if self.first_cost is None:
+                self.first_cost = self.last_cost
             if problem is not None:
                 self.note_problem("clipped_sum", f"{problem} (step {step})", step)
         except Exception as error:  # the check's own failure never ends training
