@@ -1,8 +1,9 @@
 """False alarms on correct Opacus: how often a correct run ever shows violation=True.
 
 Each run trains the digits CNN with Opacus's own DPOptimizer under a PrivacyAuditor at
-default settings (alarm checked after every step, the exact data-path checks at step 1 and
-every 100 steps) with its own seed; any exact finding on these correct runs is counted. The same runs are
+default settings (alarm checked after every step) with its own seed, except that the exact
+data-path checks run at step 1 and every 100 steps without their time budget (FULL_CADENCE: every
+step the default may check is checked); any exact finding on these correct runs is counted. The same runs are
 also judged by the naive rule the alarm replaces: fixed-sample 95% Clopper-Pearson mu
 bounds for the pool and each tensor, recomputed after every step.
 
@@ -34,6 +35,7 @@ from scipy.stats import beta, norm
 
 from lightning_dpaudit.testing import train_audited
 
+FULL_CADENCE = dict(per_sample_check_budget=1.0)  # the exact checks at every due step, whatever they cost
 EXACT_CODES = {"per_sample_gradients", "clipped_sum", "claim_unaccounted"}  # the data path's exact checks
 
 
@@ -70,7 +72,7 @@ def _run_ghost(seed, steps, sigma, adaptive=False):
     from lightning_dpaudit import PrivacyAuditor
 
     module, optimizer, criterion, loader = make_ghost(seed=10_000 + seed, noise_multiplier=sigma, adaptive=adaptive)
-    auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None)
+    auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None, **FULL_CADENCE)
     train_ghost(module, optimizer, criterion, loader, steps)
     result = auditor.result()
     return result.violation, None, sorted({f.code for f in result.findings} & EXACT_CODES)
@@ -102,12 +104,14 @@ def _run(args):
     from lightning_dpaudit.engine.options import DEFAULT_GRADIENT_CANARIES
 
     if mode != "hooks":
-        result = train_audited(steps=steps, noise_multiplier=sigma, seed=10_000 + seed, **DIGITS_MODES[mode])
+        result = train_audited(steps=steps, noise_multiplier=sigma, seed=10_000 + seed, **FULL_CADENCE,
+                               **DIGITS_MODES[mode])
         failed = [] if result.audit_failed is None else ["audit_failed"]
         return result.violation, None, sorted({f.code for f in result.findings} & EXACT_CODES) + failed
     result, obs = train_audited(
         steps=steps, noise_multiplier=sigma, seed=10_000 + seed, return_observations=True,
         observation_window=steps * DEFAULT_GRADIENT_CANARIES,  # the naive rule replays every observation
+        **FULL_CADENCE,
     )
     exact = sorted({f.code for f in result.findings} & EXACT_CODES)  # certainties: any is a false finding here
     return result.violation, _naive_alarm(obs, result.mu_claimed), exact

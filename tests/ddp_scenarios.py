@@ -220,7 +220,8 @@ def false_alarms(rank, world, options):
     for seed in options["seeds"]:
         module, optimizer, loader, _ = _private(rank, world, noise_seed=10_000 + seed,
                                                noise_multiplier=float(options.get("sigma", 1.0)))
-        auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None)
+        auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None,
+                                 per_sample_check_budget=1.0)  # every due step checked
         _train(module, optimizer, loader, int(options["steps"]))
         result = auditor.result()
         outcomes.append({"violation": bool(result.violation), "codes": sorted({f.code for f in result.findings}),
