@@ -144,7 +144,8 @@ def _ddp(args, start):
                 exact.append((seed, codes))
             if outcome["audit_failed"] or other["audit_failed"]:
                 failed.append(seed)
-        print(f"  {seeds[-1] + 1}/{args.runs} runs, {alarms} alarms", flush=True)
+        print(f"  {seeds[-1] + 1}/{args.runs} runs, {alarms} alarms, {len(exact)} with exact findings, "
+              f"{len(failed)} audits failed", flush=True)
     print(f"mode={args.mode} runs={args.runs} steps={args.steps} sigma={args.sigma} ({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%); "
           f"ranks disagreeing: {disagree}; audits failed: {len(failed)}")
@@ -169,7 +170,8 @@ def main():
         for i, outcome in enumerate(pool.imap_unordered(_run, jobs), 1):
             outcomes.append(outcome)
             if i % 10 == 0:
-                print(f"  {i}/{args.runs} runs, {sum(o[0] for o in outcomes)} alarms", flush=True)
+                print(f"  {i}/{args.runs} runs, {sum(o[0] for o in outcomes)} alarms, "
+                      f"{sum(bool(o[2]) for o in outcomes)} with exact findings", flush=True)
     alarms = sum(o[0] for o in outcomes)
     exact = [o[2] for o in outcomes if o[2]]
     naive = [o[1] for o in outcomes if o[1] is not None]
