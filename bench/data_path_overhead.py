@@ -32,12 +32,21 @@ warnings.filterwarnings("ignore")
 
 
 REPLAYS = []  # the dropout runs' replay counts (examples alone, whole batch), printed at the end
+ACCOUNTS = []  # one line per configuration, printed at the end
+CHECKS = []  # each run's PerSampleCheck, for the budget's own account (the last one built is B's)
+
+
+def checked(auditor):
+    """The auditor, its checks timed (SPENT) and kept (CHECKS)."""
+    timed_checks(auditor)
+    CHECKS.append(auditor.per_sample_check)
+    return auditor
 def digits(batch_size: int, every: int):
     from lightning_dpaudit import PrivacyAuditor
     from lightning_dpaudit.integrations.digits import make_private_digits
 
     model, optimizer, loader, _ = make_private_digits(batch_size=batch_size, seed=0)
-    timed_checks(PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every))
+    checked(PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every))
     batches = [b for b in loader if len(b[0])]
     return optimizer, batches, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
 
@@ -58,7 +67,7 @@ def dropout(batch_size: int, every: int):
         max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(1),
     )
     auditor = PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every)
-    timed_checks(auditor)
+    checked(auditor)
     REPLAYS.append(auditor.per_sample_check.replays)
     batches = [b for b in loader if len(b[0])]
     return optimizer, batches, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
@@ -79,7 +88,7 @@ def transformer(every: int, size: str = "10M", batch: int = 16, seq_len: int = 6
         data_loader=DataLoader(TensorDataset(tokens), batch_size=batch), criterion=nn.CrossEntropyLoss(),
         noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="ghost",
     )
-    timed_checks(PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every))
+    checked(PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every))
 
     def loss(b):
         logits = model(b[:, :-1])
@@ -133,6 +142,13 @@ def main() -> None:
         inside = SPENT["seconds"] / sum(times["B"])
         print(f"| {config} | {a:.2f} | {b:.2f} | {b / a:.3f} | {sum(times['B']) / sum(times['A']):.3f} | "
               f"{inside:.2%} |", flush=True)
+        budget = CHECKS[-1]  # B's: its own account, against the wall time since its first step (A's steps included)
+        ACCOUNTS.append(f"{config}: {budget.checked} step(s) checked, {budget.over_budget} due step(s) skipped for the "
+                        f"budget; the checks' own clock: {budget.spent:.2f} s of {time.perf_counter() - budget.started:.1f} s"
+                        f" since the first step ({budget.spent / (time.perf_counter() - budget.started):.2%}; budget "
+                        f"{budget.budget:.1%} after step 1's {budget.first_cost or 0:.2f} s)")
+    for account in ACCOUNTS:
+        print(account)
     for replays in REPLAYS:
         if replays["examples"] or replays["batch"]:
             print(f"dropout run's checks replayed the examples alone {replays['examples']} time(s), the whole batch "
