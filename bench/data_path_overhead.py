@@ -142,11 +142,11 @@ def main() -> None:
         inside = SPENT["seconds"] / sum(times["B"])
         print(f"| {config} | {a:.2f} | {b:.2f} | {b / a:.3f} | {sum(times['B']) / sum(times['A']):.3f} | "
               f"{inside:.2%} |", flush=True)
-        budget = CHECKS[-1]  # B's: its own account, against the wall time since its first step (A's steps included)
-        ACCOUNTS.append(f"{config}: {budget.checked} step(s) checked, {budget.over_budget} due step(s) skipped for the "
-                        f"budget; the checks' own clock: {budget.spent:.2f} s of {time.perf_counter() - budget.started:.1f} s"
-                        f" since the first step ({budget.spent / (time.perf_counter() - budget.started):.2%}; budget "
-                        f"{budget.budget:.1%} after step 1's {budget.first_cost or 0:.2f} s)")
+        check = CHECKS[-1]  # B's: its own account, against the wall time since its first step (A's steps included)
+        budget, elapsed = check.budget, check.budget.elapsed()
+        ACCOUNTS.append(f"{config}: {check.checked} step(s) checked, {budget.skipped} due step(s) skipped for the "
+                        f"budget; the checks' own clock: {budget.spent:.2f} s of {elapsed:.1f} s since the first step "
+                        f"({budget.spent / elapsed:.2%}; budget {budget.share:.1%} after step 1's {budget.first_cost or 0:.2f} s)")
     for account in ACCOUNTS:
         print(account)
     for replays in REPLAYS:

@@ -23,23 +23,19 @@ per-sample gradient or norm. Tolerance: relative 1e-3, plus 1e-4 of the example'
 gradient norm; in mixed precision 4 and 1 unit roundoffs of the lowest precision involved
 (the replay runs under the forward's own autocast).
 The replay restores the RNG state and the module's buffers: training is unchanged.
-
-Cost: with T the wall time since the first step, S the time the checks took after step 1's
-(the first, never skipped, and the dearest: it warms up) and c what the last checked step's
-took, a due step is checked only when S + c <= budget * T: over a run the checks take at most
-the budget's share of its time, plus step 1's check, while a check costs what the last one did.
+Cost: a due step is checked only within `budget` of the run's wall time (check_budget.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from typing import Callable, List, Optional
 
 import numpy as np
 import torch
 
+from .check_budget import CheckBudget
 from .forward_replay import EPS32, Call, first_gradient, precision, same_rows, sliced, smallest_module_holding, tensors
 from .instance_patch import InstancePatch
 
@@ -66,14 +62,8 @@ class PerSampleCheck:
         self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
         self.module, self.steps, self.note_problem = module, steps, note_problem
         self.every, self.examples, self.ghost, self.off_reason = every, examples, ghost, off_reason
-        self.budget = budget
-        self.started: Optional[float] = None  # perf_counter at the first step seen
-        self.spent = 0.0  # seconds spent in the checks (capture, ledger, replay and comparison)
+        self.budget = CheckBudget(budget)  # the ledger's additions, the replay and the comparison count against it
         self.decided = (-1, False)  # (step, whether it is checked): decided once, at its first question
-        self.last_cost = 0.0  # seconds the last checked step's checks took
-        self.first_cost: Optional[float] = None  # seconds step 1's checks took (not counted against the budget)
-        self._spent_before = 0.0  # `spent` when the step being checked was decided
-        self.over_budget = 0  # due steps skipped because the checks had taken more than the budget
         self.rng = np.random.default_rng(None if seed is None else [seed, 27])
         self.target: Optional[torch.nn.Module] = None
         self.handles: list = []
@@ -97,8 +87,8 @@ class PerSampleCheck:
         if self.checked == 0:
             why = self.skipped or ("no step due yet" if steps < 2 else "no forward pass of the model was seen")
             return f"nothing compared yet ({why})"
-        skipped = (f"; {self.over_budget} due step(s) skipped to keep the checks within {self.budget:.1%} of the run's "
-                   "time" if self.over_budget else "")
+        skipped = (f"; {self.budget.skipped} due step(s) skipped to keep the checks within {self.budget.share:.1%} of "
+                   "the run's time" if self.budget.skipped else "")
         return (f"{self.checked} step(s) compared, every {self.every} from step 1: per-sample gradients of "
                 f"{self.examples} real example(s) against plain autograd, and the clipped sum of each batch{skipped}")
 
@@ -108,7 +98,7 @@ class PerSampleCheck:
         """The optimizer's accumulation of a physical batch (on the instance) first feeds the ledger at checked steps."""
         def accumulate(*args, **kwargs):
             if not self.replaying and self.due(self.steps()):
-                with self._timed():
+                with self.budget.timed():
                     try:
                         self.ledger.add()
                     except Exception as error:  # the check's own failure never ends training
@@ -122,25 +112,9 @@ class PerSampleCheck:
         """Step `step` is checked: on the cadence, and (after the first check) within the time budget."""
         if self.every == 0 or self.failed is not None:
             return False
-        now = time.perf_counter()
-        if self.started is None:
-            self.started = now
         if self.decided[0] != step:
-            checked = step % self.every == 1 % self.every
-            over = self.spent - (self.first_cost or 0.0) + self.last_cost > self.budget * (now - self.started)
-            if checked and self.checked and self.budget < 1.0 and over:
-                checked = False
-                self.over_budget += 1
-            self.decided, self._spent_before = (step, checked), self.spent
+            self.decided = (step, self.budget.decide(step % self.every == 1 % self.every, first=not self.checked))
         return self.decided[1]
-
-    @contextlib.contextmanager
-    def _timed(self):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.spent += time.perf_counter() - start
 
     def _hook_target(self) -> None:
         gsm = self.module()
@@ -195,15 +169,13 @@ class PerSampleCheck:
             self._hook_target()
             if not self.due(step):
                 return
-            with self._timed():
+            with self.budget.timed():
                 calls = [c for c in self.calls if c.grads]
                 self.calls = []
                 if calls:
                     self._compare(calls, step)
                 problem = None if self.ledger is None else self.ledger.problem(self.eps)
-            self.last_cost = self.spent - self._spent_before
-            if self.first_cost is None:
-                self.first_cost = self.last_cost
+            self.budget.step_checked()
             if problem is not None:
                 self.note_problem("clipped_sum", f"{problem} (step {step})", step)
         except Exception as error:  # the check's own failure never ends training
