@@ -223,11 +223,17 @@ def false_alarms(rank, world, options):
         auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None,
                                  per_sample_check_budget=1.0)  # every due step checked
         _train(module, optimizer, loader, int(options["steps"]))
-        result = auditor.result()
-        outcomes.append({"violation": bool(result.violation), "codes": sorted({f.code for f in result.findings}),
-                         "audit_failed": result.audit_failed, "steps": result.steps})
-        auditor.detach()
+        outcomes.append(run_outcome(auditor))
     return {"outcomes": outcomes}
+
+
+def run_outcome(auditor) -> dict:
+    """A finished run's outcome for bench/false_alarms.py (the auditor detached): whether the alarm ever fired,
+    the findings' codes, the audit's own failure."""
+    result = auditor.result()
+    auditor.detach()
+    return {"violation": bool(result.violation), "codes": sorted({f.code for f in result.findings}),
+            "audit_failed": result.audit_failed, "steps": result.steps}
 
 
 def plain_optimizer(rank, world, options):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ddp_scenarios import _Stop, _summary, main  # noqa: E402
+from ddp_scenarios import _Stop, _summary, main, run_outcome  # noqa: E402
 
 
 def _private(rank, world, mode: str, *, noise_seed: int = 7):
@@ -104,10 +104,7 @@ def false_alarms(rank, world, options):
         module, optimizer, criterion, loader = _private(rank, world, "fsdp", noise_seed=10_000 + seed)
         auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None)
         train_ghost(module, optimizer, criterion, loader, int(options["steps"]))
-        result = auditor.result()
-        outcomes.append({"violation": bool(result.violation), "codes": sorted({f.code for f in result.findings}),
-                         "audit_failed": result.audit_failed, "steps": result.steps})
-        auditor.detach()
+        outcomes.append(run_outcome(auditor))
     return {"outcomes": outcomes}
 
 
