@@ -7,7 +7,9 @@ step the default may check is checked); any exact finding on these correct runs 
 also judged by the naive rule the alarm replaces: fixed-sample 95% Clopper-Pearson mu
 bounds for the pool and each tensor, recomputed after every step.
 
-    .venv/bin/python bench/false_alarms.py [--runs 200] [--steps 1000] [--workers 2] [--mode MODE]
+    .venv/bin/python bench/false_alarms.py [--runs 200] [--steps 1000] [--workers 2] [--mode MODE] [--first-run K]
+
+(--first-run K: runs K, K+1, ... with their own seeds, so a long measurement can be taken in parts.)
 
 Modes (the naive rule is replayed for `hooks` only):
   hooks       the digits CNN, Opacus's hooks (the default)
@@ -131,8 +133,9 @@ def _ddp(args, start):
     from ddp_scenarios import launch
 
     alarms, exact, failed, disagree = 0, [], [], 0
-    for first in range(0, args.runs, 10):
-        seeds = list(range(first, min(first + 10, args.runs)))
+    end = args.first_run + args.runs
+    for first in range(args.first_run, end, 10):
+        seeds = list(range(first, min(first + 10, end)))
         with tempfile.TemporaryDirectory() as out:
             ranks = launch("false_alarms", Path(out), timeout=60.0 * len(seeds) * max(1, args.steps // 100),
                            script=SCRIPTS[args.mode], seeds=seeds, steps=args.steps, sigma=args.sigma)
@@ -144,9 +147,10 @@ def _ddp(args, start):
                 exact.append((seed, codes))
             if outcome["audit_failed"] or other["audit_failed"]:
                 failed.append(seed)
-        print(f"  {seeds[-1] + 1}/{args.runs} runs, {alarms} alarms, {len(exact)} with exact findings, "
+        print(f"  {seeds[-1] + 1 - args.first_run}/{args.runs} runs, {alarms} alarms, {len(exact)} with exact findings, "
               f"{len(failed)} audits failed", flush=True)
-    print(f"mode={args.mode} runs={args.runs} steps={args.steps} sigma={args.sigma} ({time.perf_counter() - start:.0f} s)")
+    print(f"mode={args.mode} runs={args.runs} (from run {args.first_run}) steps={args.steps} sigma={args.sigma} "
+          f"({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%); "
           f"ranks disagreeing: {disagree}; audits failed: {len(failed)}")
     print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
@@ -159,12 +163,14 @@ def main():
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--first-run", type=int, default=0,
+                        help="the first run's index (its seed); a long measurement can be taken in parts")
     parser.add_argument("--mode", choices=["hooks", "ghost", "adaptive-ghost", *SCRIPTS, *DIGITS_MODES], default="hooks")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.mode in SCRIPTS:
         return _ddp(args, start)
-    jobs = [(seed, args.steps, args.sigma, args.mode) for seed in range(args.runs)]
+    jobs = [(seed, args.steps, args.sigma, args.mode) for seed in range(args.first_run, args.first_run + args.runs)]
     with Pool(args.workers) as pool:
         outcomes = []
         for i, outcome in enumerate(pool.imap_unordered(_run, jobs), 1):
@@ -175,7 +181,8 @@ def main():
     alarms = sum(o[0] for o in outcomes)
     exact = [o[2] for o in outcomes if o[2]]
     naive = [o[1] for o in outcomes if o[1] is not None]
-    print(f"mode={args.mode} runs={args.runs} steps={args.steps} sigma={args.sigma} ({time.perf_counter() - start:.0f} s)")
+    print(f"mode={args.mode} runs={args.runs} (from run {args.first_run}) steps={args.steps} sigma={args.sigma} "
+          f"({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%)")
     print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
           f"{exact or ''}")
