@@ -122,7 +122,7 @@ def _run(args):
 SCRIPTS = {"ddp": "ddp_scenarios.py", "fsdp": "sharded_scenarios.py"}  # the two-process modes' scenario scripts
 
 
-def _ddp(args, start):
+def _ddp(args, runs, start):
     """The ddp and fsdp modes: batches of runs in two fresh processes each, a rank's outcome per run (both ranks
     must agree)."""
     import sys
@@ -133,9 +133,8 @@ def _ddp(args, start):
     from ddp_scenarios import launch
 
     alarms, exact, failed, disagree = 0, [], [], 0
-    end = args.first_run + args.runs
-    for first in range(args.first_run, end, 10):
-        seeds = list(range(first, min(first + 10, end)))
+    for done in range(0, len(runs), 10):
+        seeds = list(runs[done:done + 10])
         with tempfile.TemporaryDirectory() as out:
             ranks = launch("false_alarms", Path(out), timeout=60.0 * len(seeds) * max(1, args.steps // 100),
                            script=SCRIPTS[args.mode], seeds=seeds, steps=args.steps, sigma=args.sigma)
@@ -147,7 +146,7 @@ def _ddp(args, start):
                 exact.append((seed, codes))
             if outcome["audit_failed"] or other["audit_failed"]:
                 failed.append(seed)
-        print(f"  {seeds[-1] + 1 - args.first_run}/{args.runs} runs, {alarms} alarms, {len(exact)} with exact findings, "
+        print(f"  {done + len(seeds)}/{args.runs} runs, {alarms} alarms, {len(exact)} with exact findings, "
               f"{len(failed)} audits failed", flush=True)
     print(f"mode={args.mode} runs={args.runs} (from run {args.first_run}) steps={args.steps} sigma={args.sigma} "
           f"({time.perf_counter() - start:.0f} s)")
@@ -168,9 +167,10 @@ def main():
     parser.add_argument("--mode", choices=["hooks", "ghost", "adaptive-ghost", *SCRIPTS, *DIGITS_MODES], default="hooks")
     args = parser.parse_args()
     start = time.perf_counter()
+    runs = range(args.first_run, args.first_run + args.runs)  # each run's seed
     if args.mode in SCRIPTS:
-        return _ddp(args, start)
-    jobs = [(seed, args.steps, args.sigma, args.mode) for seed in range(args.first_run, args.first_run + args.runs)]
+        return _ddp(args, runs, start)
+    jobs = [(seed, args.steps, args.sigma, args.mode) for seed in runs]
     with Pool(args.workers) as pool:
         outcomes = []
         for i, outcome in enumerate(pool.imap_unordered(_run, jobs), 1):
