@@ -312,7 +312,7 @@ def test_a_deterministic_model_replays_the_chosen_examples_alone_and_still_sees_
         samplers[nn.Conv1d] = _scaled(samplers[nn.Conv1d], "weight", 0.5, only_sequences=False)
         monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
     broken = train(*setup(mode, dropout=0.0), steps=3, auditor_kwargs={})
-    assert broken.per_sample_check.replays["examples"] == 1
+    assert broken.per_sample_check.replayed["examples"] == 1
     assert [code for code, *_ in broken.problems] == ["per_sample_gradients"]
 
 

@@ -17,6 +17,7 @@ from scipy.stats import norm
 from .final_model import histogram_panel
 from .formatting import as_number as _num
 from .formatting import fixed as _f
+from .results import DOES_NOT_DESCRIBE, pipeline_codes
 from .final_model import summary_lines as final_model_lines
 
 JSON_NAME = "audit_report.json"
@@ -222,6 +223,9 @@ def verdict_title(result) -> str:
     verdict = "VIOLATION" if r.get("violation") else "OK"
     first = r.get("first_violation_step")
     where = f" at step {first}" if verdict == "VIOLATION" and first is not None else ""
+    pipeline = pipeline_codes(r.get("findings"))
+    if pipeline:
+        return f"VIOLATION{where}: {DOES_NOT_DESCRIBE} ({', '.join(pipeline)})"
     return (
         f"{verdict}{where}: epsilon >= {_short(r.get('epsilon_lower_bound'))} (empirical lower bound) vs "
         f"{_short(r.get('epsilon_accountant'))} (accountant) at delta = {_num(r.get('delta')):g}"
@@ -317,10 +321,13 @@ def summary_table(report: dict) -> str:
     """A short aligned plain-text summary of a loaded report (or {"result": result.to_dict()})."""
     r = report.get("result", report)
     bad = list(r.get("violating_layers") or [])
+    pipeline = pipeline_codes(r.get("findings"))
     if r.get("violation"):
         first = r.get("first_violation_step")
         where = f"; first at step {first}" if first is not None else ""
         verdict = f"VIOLATION: leak beyond the claim {_violating(bad)}{where}"
+        if pipeline:
+            verdict = f"VIOLATION: {DOES_NOT_DESCRIBE} ({', '.join(pipeline)}){where}"
     else:
         verdict = "OK: no leak beyond the claim detected"
     conf = _num(r.get("confidence"))
@@ -330,6 +337,7 @@ def summary_table(report: dict) -> str:
         ("epsilon per step", _f(r.get("epsilon_step_lower_bound"), 2), _f(r.get("epsilon_step_claimed"), 2)),
         ("mu per step", _f(r.get("mu_lower_bound")), _f(r.get("mu_claimed"))),
         ("mu per step, anytime", _f(r.get("mu_lower_bound_anytime")), ""),
+        *_sampling_row(r),
     ]
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for _, b, _ in rows)
@@ -341,6 +349,7 @@ def summary_table(report: dict) -> str:
         ("estimator", f"{r.get('estimator')} at {conf:.0%} confidence" if not math.isnan(conf) else str(r.get("estimator"))),
         ("mode / canary", f"{r.get('mode')} / {r.get('canary')}"),
         *([("exact checks", r["data_path"])] if r.get("data_path") else []),
+        *([("run checks", r["pipeline"])] if r.get("pipeline") else []),
     ]
     lines += [f"  {a:<{w0}}  {b}" for a, b in facts]
     lines += [f"  note: {note}" for note in r.get("notes") or []]
@@ -372,6 +381,15 @@ def _violating(names: list) -> str:
     layers = [name for name in names if name not in GROUPS]
     parts = groups + ([f"{len(layers)} layer{'s' * (len(layers) != 1)} ({', '.join(layers)})"] if layers else [])
     return "in " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
+
+
+def _sampling_row(r: dict) -> list:
+    """Epsilon under the sampling the run used, where it is not the accountant's (inf: no valid bound)."""
+    value = r.get("epsilon_sampling")
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return []
+    return [("epsilon, sampling used", "", (_f(value, 2) if value not in ("inf", math.inf) else "no valid bound")
+             + " (batches as drawn)")]
 
 
 def _failure_line(r: dict) -> list:

@@ -79,6 +79,12 @@ class AuditResult:
                           examples, clipped sums), or why they did not run
     notes                 what the claim itself does not cover (e.g. a normalisation that depends
                           on the dataset's size); not a violation
+    pipeline              what the run checks compared (sampling, rows per record, independence of
+                          examples, tensors outside the DP optimizer), or why they could not
+    epsilon_sampling      epsilon at `delta` under the sampling the run used, where it is not the
+                          accountant's and a valid bound exists (shuffled fixed-size batches: one
+                          Gaussian step per record an epoch); inf where no bound follows from the
+                          noise (batches drawn with replacement or by weight); nan otherwise
     """
 
     epsilon_lower_bound: float
@@ -106,6 +112,8 @@ class AuditResult:
     audit_failed: Optional[str] = None
     data_path: str = ""
     notes: Tuple[str, ...] = ()
+    pipeline: str = ""
+    epsilon_sampling: float = math.nan
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,6 +127,15 @@ class AuditResult:
 
 
 VERDICT = "DP AUDIT VIOLATION"  # the first words of every violation alert
+# findings about the run beyond the optimizer (engine/run_checks/): the accountant's epsilon is not this run's
+PIPELINE_CODES = ("sampling", "multiplicity", "coupled_examples", "outside_dp")
+DOES_NOT_DESCRIBE = "the accountant's epsilon does not describe this run"
+
+
+def pipeline_codes(findings) -> list:
+    """The codes of the run's pipeline findings, in order, once each (findings as records or dicts)."""
+    codes = [f.get("code") if isinstance(f, dict) else f.code for f in findings or ()]
+    return list(dict.fromkeys(c for c in codes if c in PIPELINE_CODES))
 
 
 def violation_message(r: AuditResult) -> str:
@@ -151,7 +168,7 @@ def _violation_line(r: AuditResult) -> str:
     else:
         crossed = f"the noise of step {repeat[0]} repeats step {repeat[1]}'s"
         repeat = None  # said already
-    first = r.findings[0] if r.findings else None
+    first = next((f for f in r.findings if f.code in PIPELINE_CODES), r.findings[0] if r.findings else None)
     cause = f"{first.code}: {first.message.rstrip('.')}" if first is not None else crossed
     numbers = []
     if math.isfinite(r.epsilon_accountant):

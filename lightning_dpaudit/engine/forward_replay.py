@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -31,6 +33,30 @@ class Call:
     backward: Optional[int] = None  # the backward pass that brought them
     outputs: dict = field(default_factory=dict)  # output leaf index -> the chosen examples' rows of the output
     autocast: list = field(default_factory=list)  # (device type, dtype) of the autocast regions the forward ran in
+    buffers: list = field(default_factory=list)  # the module's buffers before the forward pass (when replays need them)
+
+
+def captured(args, kwargs) -> Call:
+    """A forward pass about to run on (args, kwargs): its inputs, torch's RNG states and autocast regions."""
+    devices = sorted({t.device.index for t in tensors((args, kwargs)) if t.device.type == "cuda"})
+    cuda_states = [(d, torch.cuda.get_rng_state(d)) for d in devices]
+    autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    return Call(args, kwargs, torch.get_rng_state(), cuda_states, autocast=autocast)
+
+
+def replay_forward(module: torch.nn.Module, call: Call, args, kwargs) -> list:
+    """The output leaves (tensors requiring grad, of at least one dimension) of module(*args, **kwargs) run from the
+    call's RNG states and autocast regions; torch's own RNG state is put back after."""
+    with contextlib.ExitStack() as regions:
+        regions.enter_context(torch.random.fork_rng(devices=[d for d, _ in call.cuda_states]))
+        regions.enter_context(torch.enable_grad())
+        for device_type, dtype in call.autocast:  # the forward's own mixed precision
+            regions.enter_context(torch.autocast(device_type, dtype=dtype))
+        torch.set_rng_state(call.rng_state)
+        for d, state in call.cuda_states:
+            torch.cuda.set_rng_state(state, d)
+        output = module(*args, **kwargs)
+    return [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
 
 
 def first_gradient(call: Call, j: int, rows: torch.Tensor):

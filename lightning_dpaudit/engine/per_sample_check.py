@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 from .check_budget import CheckBudget
-from .forward_replay import EPS32, Call, first_gradient, precision, same_rows, sliced, smallest_module_holding, tensors
+from .forward_replay import (
+    EPS32, Call, captured, first_gradient, precision, replay_forward, same_rows, sliced, smallest_module_holding, tensors,
+)
 from .instance_patch import InstancePatch
 
 RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
@@ -57,9 +59,12 @@ class PerSampleCheck:
 
     def __init__(self, optimizer, params, names, module: Callable, steps: Callable[[], int], *, every: int,
                  examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None,
-                 off_reason: Optional[str] = None, budget: float = DEFAULT_BUDGET):
+                 off_reason: Optional[str] = None, budget: float = DEFAULT_BUDGET,
+                 on_accumulate: Optional[Callable[[], None]] = None, replays: tuple = ()):
         self.optimizer, self.params, self.names = optimizer, list(params), names
         self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
+        self.on_accumulate = on_accumulate  # told of every physical batch the optimizer accumulates (run_checks)
+        self.replays = tuple(replays)  # further replays of a compared call: (call, target, forward, step) -> None
         self.module, self.steps, self.note_problem = module, steps, note_problem
         self.every, self.examples, self.ghost, self.off_reason = every, examples, ghost, off_reason
         self.budget = CheckBudget(budget)  # the ledger's additions, the replay and the comparison count against it
@@ -71,11 +76,11 @@ class PerSampleCheck:
         self.replaying = False  # True while the check itself runs the model (nothing is captured then)
         self.checked = 0  # steps whose examples were compared
         self.eps = EPS32  # the unit roundoff of the lowest precision the last checked step computed in
-        self.replays = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
+        self.replayed = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
         self.skipped: Optional[str] = None  # why the last due step could not be compared
         self.failed: Optional[str] = None
         self._wrapped = None
-        if self.ledger is not None:
+        if self.ledger is not None or on_accumulate is not None:
             self._wrap_accumulate()
 
     def status(self, steps: int) -> str:
@@ -97,7 +102,9 @@ class PerSampleCheck:
     def _wrap_accumulate(self) -> None:
         """The optimizer's accumulation of a physical batch (on the instance) first feeds the ledger at checked steps."""
         def accumulate(*args, **kwargs):
-            if not self.replaying and self.due(self.steps()):
+            if not self.replaying and self.on_accumulate is not None:
+                self.on_accumulate()
+            if not self.replaying and self.ledger is not None and self.due(self.steps()):
                 with self.budget.timed():
                     try:
                         self.ledger.add()
@@ -138,10 +145,7 @@ class PerSampleCheck:
     def _before_forward(self, module, args, kwargs):
         if self.replaying or not self.due(self.steps()) or not (module.training and torch.is_grad_enabled()):
             return None
-        devices = sorted({t.device.index for t in tensors((args, kwargs)) if t.device.type == "cuda"})
-        cuda_states = [(d, torch.cuda.get_rng_state(d)) for d in devices]
-        autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        self.calls.append(Call(args, kwargs, torch.get_rng_state(), cuda_states, autocast=autocast))
+        self.calls.append(captured(args, kwargs))
         return None
 
     def _after_forward(self, module, args, kwargs, output):
@@ -172,7 +176,7 @@ class PerSampleCheck:
             with self.budget.timed():
                 calls = [c for c in self.calls if c.grads]
                 self.calls = []
-                if calls:
+                if calls and not self._replay_further(step):
                     self._compare(calls, step)
                 problem = None if self.ledger is None else self.ledger.problem(self.eps)
             self.budget.step_checked()
@@ -209,6 +213,17 @@ class PerSampleCheck:
             if problem is not None:
                 self.note_problem(CODE, f"{problem} at step {step} (example {int(i)} of the batch)", step)
                 return
+
+    def _replay_further(self, step: int) -> bool:
+        """The further replays of the step (run_checks/coupling.py), with Opacus's hooks off; True when one found the
+        examples coupled: no example then has a gradient of its own to compare Opacus's with."""
+        if not self.replays:
+            return False
+        with self._replaying():
+            coupled = [replay(step) for replay in self.replays]
+        if any(coupled):
+            self.skipped = "the examples are coupled (run checks): no example has a gradient of its own"
+        return any(coupled)
 
     def _held(self, batch: int, stacked: int):
         """What Opacus holds per tensor for the last batch: (kind, rows) with rows[i] example i's entry, or None."""
@@ -270,6 +285,12 @@ class PerSampleCheck:
 
     def _autograd(self, call: Call) -> list:
         """expected[position][tensor]: s * d<out_i, g_i>/dp by plain autograd (Opacus's hooks off, inputs and RNG replayed)."""
+        with self._replaying():
+            return self._expected(call, self.module())
+
+    @contextlib.contextmanager
+    def _replaying(self):
+        """Opacus's hooks off and nothing captured while the check runs the model; the buffers put back after."""
         gsm = self.module()
         was_enabled = getattr(gsm, "hooks_enabled", False)
         buffers = [(b, b.detach().clone()) for b in self.target.buffers()]
@@ -280,7 +301,7 @@ class PerSampleCheck:
             # Opacus's switched-off backward hooks still fire here, and torch may warn about them as it did in
             # training, once per location; no warnings.catch_warnings: leaving one would show every once-per-location
             # warning of the user's run again
-            return self._expected(call, gsm)
+            yield
         finally:
             self.replaying = False
             if was_enabled:
@@ -311,25 +332,15 @@ class PerSampleCheck:
             try:
                 leaves = self._forward(call, *alone)
                 if all(j < len(leaves) and same_rows(leaves[j], rows) for j, rows in call.outputs.items()):
-                    self.replays["examples"] += 1
+                    self.replayed["examples"] += 1
                     return leaves, range(len(call.chosen))
             except Exception:  # a forward pass that refuses a smaller batch: replay the whole batch
                 pass
-        self.replays["batch"] += 1
+        self.replayed["batch"] += 1
         return self._forward(call, call.args, call.kwargs), call.chosen
 
     def _forward(self, call: Call, args, kwargs) -> list:
-        """The target's forward pass from the call's RNG state (torch's own state restored after)."""
-        with contextlib.ExitStack() as regions:
-            regions.enter_context(torch.random.fork_rng(devices=[d for d, _ in call.cuda_states]))
-            regions.enter_context(torch.enable_grad())
-            for device_type, dtype in call.autocast:  # the forward's own mixed precision
-                regions.enter_context(torch.autocast(device_type, dtype=dtype))
-            torch.set_rng_state(call.rng_state)
-            for d, state in call.cuda_states:
-                torch.cuda.set_rng_state(state, d)
-            output = self.target(*args, **kwargs)
-        return [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
+        return replay_forward(self.target, call, args, kwargs)
 
     def close(self) -> None:
         for h in self.handles:

@@ -30,7 +30,10 @@ from .budget import TimeBudget
 from .callback_logging import AuditLogging
 from .callback_state import AuditCheckpointing
 from .final_model_audit import FinalModelTracker
-from .trainer_lookup import batches_per_epoch, check_accountant_matches, find_dp_optimizer, module_accountant
+from .trainer_lookup import (
+    batches_per_epoch, check_accountant_matches, find_dp_optimizer, module_accountant, other_optimizers, step_replay,
+    training_loader,
+)
 from ..analysis.results import AuditResult, violation_message
 
 ALERTS = ("warn", "raise", "stop")
@@ -172,7 +175,8 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
         options = dict(self.auditor_options)
         module = options.pop("module", pl_module)  # input canaries go through its forward
         self.auditor = PrivacyAuditor(
-            optimizer, accountant=accountant, module=module, on_violation=self._on_violation, **options
+            optimizer, accountant=accountant, module=module, on_violation=self._on_violation,
+            other_optimizers=other_optimizers(trainer.optimizers, optimizer), **options
         )
         show_progress(self.auditor.options.canary, trainer.progress_bar_callback is not None and trainer.is_global_zero)
         if self._pending_state is not None:
@@ -193,6 +197,8 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.auditor is not None and trainer.world_size > 1:
             self.auditor.check_sample_rate(batches_per_epoch(trainer))
+        if self.auditor is not None:
+            self._safely("on_train_start", self.auditor.run_checks.loader, training_loader(trainer))
         if self.final_model is not None:
             self.final_model.start(self.auditor_options.get("module", pl_module))  # the model that scores the canaries
 
@@ -201,6 +207,10 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
             self.auditor.detach()
 
     # ------------------------------------------------------------------ during training
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.auditor is not None and not trainer.sanity_checking:
+            self._safely("on_train_batch_start", self.auditor.run_checks.batch, batch, step_replay(pl_module, batch_idx))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.auditor is None or trainer.sanity_checking:

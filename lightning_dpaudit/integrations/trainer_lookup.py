@@ -4,6 +4,7 @@ accountant, the length of an epoch and the directory for reports."""
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 def find_dp_optimizer(optimizers):
     from opacus.optimizers import DPOptimizer
@@ -52,3 +53,40 @@ def log_dir(trainer) -> str:
         if getattr(logger, "log_dir", None):
             return logger.log_dir
     return trainer.default_root_dir
+
+
+def other_optimizers(optimizers, audited) -> list:
+    """The Trainer's optimizers other than the audited one (their tensors are trained outside DP-SGD)."""
+    from ..engine.options import unwrapped_optimizer
+
+    inner = unwrapped_optimizer(audited)
+    return [unwrapped_optimizer(o) for o in optimizers if unwrapped_optimizer(o) is not inner]
+
+
+def training_loader(trainer):
+    """The Trainer's training DataLoader (the only one, when it holds a sequence or mapping of one)."""
+    loader = trainer.train_dataloader
+    if isinstance(loader, (list, tuple)) and len(loader) == 1:
+        return loader[0]
+    if isinstance(loader, dict) and len(loader) == 1:
+        return next(iter(loader.values()))
+    return loader
+
+
+def step_replay(pl_module, batch_idx: int) -> Optional[Callable]:
+    """batch -> the LightningModule's training_step loss on it, its own logging silenced (automatic optimization
+    only: a manual step also steps its optimizers)."""
+    if not getattr(pl_module, "automatic_optimization", True):
+        return None
+
+    def replay(batch):
+        from ..engine.instance_patch import InstancePatch
+
+        patches = [InstancePatch(pl_module, name, lambda *a, **k: None) for name in ("log", "log_dict")]
+        try:
+            return pl_module.training_step(batch, batch_idx)
+        finally:
+            for patch in reversed(patches):
+                patch.restore()
+
+    return replay

@@ -1,0 +1,118 @@
+"""The run checks: what the accountant assumes about the run, beyond the optimizer (base.py).
+
+    sampling.py       batches drawn as the accountant composes (Poisson at its q, fresh each step)
+    multiplicity.py   one row of the clipped sum per record
+    coupling.py       each example's gradient depends on that example alone (at the exact checks' steps)
+    outside_dp.py     nothing of the module trained outside the DP optimizer
+
+`RunChecks` builds them in one place and feeds them what the run shows: the loader (`loader`),
+each batch it delivers (`batch`), each physical batch the optimizer accumulates (`accumulated`),
+each noised step (`step`). The auditor and the callback only call these.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+from .base import PIPELINE_CODES, RunView, records_in
+from .coupling import CouplingCheck
+from .multiplicity import MultiplicityCheck
+from .outside_dp import OutsideDPCheck
+from .sampling import SamplingCheck
+from .watched_loader import WatchedLoader
+
+__all__ = ["PIPELINE_CODES", "RunChecks", "RunView", "check_run_options"]
+
+
+def check_run_options(*, data_loader, training_loss, other_optimizers) -> None:
+    """PrivacyAuditor's options for the run checks, each refused by name."""
+    if data_loader is not None and not callable(getattr(type(data_loader), "__iter__", None)):
+        raise ValueError(f"Unexpected value for `data_loader`: {type(data_loader).__name__}; pass the DataLoader the "
+                         "training loop iterates, or None")
+    if training_loss is not None and not callable(training_loss):
+        raise ValueError(f"Unexpected value for `training_loss`: {training_loss!r}; pass a callable taking a loader "
+                         "batch and returning the step's loss, or None")
+    import torch
+
+    if isinstance(other_optimizers, torch.optim.Optimizer) or not isinstance(other_optimizers, (list, tuple)) or not all(
+            isinstance(o, torch.optim.Optimizer) for o in other_optimizers):
+        raise ValueError(f"Unexpected value for `other_optimizers`: {other_optimizers!r}; pass a list of the run's "
+                         "other torch optimizers (empty when there are none)")
+
+
+class RunChecks:
+    def __init__(self, view: RunView, *, seed: Optional[int], delta: float, training_loss: Optional[Callable],
+                 due: Callable[[int], bool], busy: Callable[[], bool]):
+        self.sampling = SamplingCheck(0 if seed is None else seed, delta)
+        self.multiplicity = MultiplicityCheck()
+        self.coupling = CouplingCheck(seed, training_loss)
+        self.outside = OutsideDPCheck()
+        self.checks = (self.sampling, self.multiplicity, self.coupling, self.outside)
+        self.due = due  # whether the exact checks compare at a (0-based) step: the coupling replay runs with them
+        self.busy = busy  # the audit itself is running the model (canaries, replays): nothing of it is the data's
+        self.steps = 0  # noised steps so far
+        self.records: Optional[int] = 0  # records delivered since the last noised step (None: unknown)
+        self.watched: Optional[WatchedLoader] = None
+        self.view = view
+
+    def attach(self) -> None:
+        """Once the auditor is complete (a finding at attach alarms through it)."""
+        for check in self.checks:
+            check.attach(self.view)
+
+    def loader(self, loader) -> None:
+        """The training loader, when it becomes known (the callback reads the Trainer's)."""
+        for check in self.checks:
+            check.loader(loader)
+
+    def watch(self, loader) -> None:
+        """The plain loop's loader: read it, and see each batch it delivers (until `close`)."""
+        if self.watched is not None:
+            self.watched.restore()
+        self.loader(loader)
+        self.watched = WatchedLoader(loader, self.batch)
+
+    def batch(self, batch, step_fn: Optional[Callable] = None) -> None:
+        """A batch the loader delivered for the coming step; `step_fn(batch)` replays its training step's loss."""
+        self._watch_model()
+        records = records_in(batch)
+        self.records = None if records is None or self.records is None else self.records + records
+        self.sampling.batch(batch)
+        self.multiplicity.batch_records(records)
+        self.coupling.batch(batch, step_fn, due=self.due(self.steps))
+
+    def accumulated(self) -> None:
+        """The optimizer is about to clip and accumulate a physical batch of the data."""
+        self.multiplicity.accumulated()
+
+    def _watch_model(self) -> None:
+        model = self.view.gradient_module()
+        self.coupling.watch(getattr(model, "_module", model), lambda: self.due(self.steps), self.busy)
+
+    def step(self) -> None:
+        """A noised step, before its canaries."""
+        self._watch_model()
+        self.steps += 1
+        if self.records is not None and self.multiplicity.fed:
+            self.sampling.records(self.records, self.steps)
+        self.records = 0
+        for check in self.checks:
+            check.step(self.steps)
+
+    def epsilon(self) -> float:
+        """Epsilon under the sampling the run used where a valid bound exists (sampling.py); nan where it is the
+        accountant's own, inf where no valid bound follows from the noise."""
+        try:
+            return self.sampling.epsilon()
+        except Exception:  # an accountant that cannot compose a fresh history: no figure rather than a fault
+            return math.nan
+
+    def status(self) -> str:
+        return "; ".join(check.status() for check in self.checks)
+
+    def close(self) -> None:
+        self.coupling.close()
+        if self.watched is not None:
+            self.watched.restore()
+            self.watched = None

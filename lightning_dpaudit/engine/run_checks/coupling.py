@@ -1,0 +1,295 @@
+"""Independence: does a checked example's gradient depend on the batch's other examples?
+
+At the exact checks' steps (per_sample_check.py), for the example(s) i it checked, the real
+step is replayed twice from the state it started in (torch's RNG, and numpy's and Python's for
+a training step; the module's buffers as they were before the forward pass):
+
+    control    the batch as it was: it must give example i's recorded output (and, with a
+               training step, the gradient the loss sent to it); else the step cannot be replayed
+               exactly and the check says so and compares nothing
+    replaced   every other example replaced by another real example of the batch (drawn with
+               replacement by the audit's own generator), example i kept in its place
+
+Example i's output changing is a certainty that its gradient depends on other records, and
+per-example clipping then bounds nothing about one record: finding `coupled_examples`, naming
+where it arises: the first module of the forward pass whose output row for i changes while the
+rows it was given did not; or what the training step does to the batch before the model (its
+output changes only when the training step runs); or the loss (the output is unchanged, the
+gradient the loss sends to it is not). The training step is the LightningModule's own
+`training_step` under Lightning, `training_loss(batch)` in a plain loop; without either the
+check covers the forward pass.
+
+The replayed forward also shows buffers updated from the examples (running statistics): a
+buffer whose value after the replaced forward differs from its value after the real one is
+learned from the data outside DP-SGD: finding `outside_dp`.
+Training is unchanged: the RNG states are forked, the buffers put back, Opacus's hooks off.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..forward_replay import captured, first_gradient, replay_forward, same_rows, smallest_module_holding, tensors
+from .base import DOES_NOT_DESCRIBE, RunCheck, records_in
+from .outside_dp import CODE as OUTSIDE_DP, listed
+
+CODE = "coupled_examples"
+
+
+def replaced(value, keep: np.ndarray, batch: int, rng: np.random.Generator):
+    """`value` with every tensor whose leading size is `batch` re-indexed: rows in `keep` stay, every other row is
+    another row drawn with replacement from the rows not kept. None when there are fewer than 2 such rows."""
+    others = np.setdiff1d(np.arange(batch), keep)
+    if len(others) < 2:
+        return None
+    source = np.arange(batch)
+    source[others] = rng.choice(others, size=len(others), replace=True)
+    if np.array_equal(source[others], others):
+        source[others] = np.roll(others, 1)
+
+    def walk(v):
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == batch:
+            return v[torch.as_tensor(source, device=v.device)]
+        if isinstance(v, (tuple, list)):
+            return type(v)(walk(x) for x in v)
+        if isinstance(v, dict):
+            return type(v)({k: walk(x) for k, x in v.items()}) if type(v) is dict else {k: walk(x) for k, x in v.items()}
+        return v
+
+    return walk(value)
+
+
+class ModuleRows:
+    """Forward hooks on every submodule keeping, in the order they finish, the chosen rows of their first batched
+    output and whether the chosen rows of their batched inputs were kept."""
+
+    def __init__(self, target: torch.nn.Module, rows: torch.Tensor, batch: int):
+        self.rows, self.batch, self.seen = rows, batch, []
+        self.handles = [m.register_forward_hook(self._keep(name), with_kwargs=True)
+                        for name, m in target.named_modules() if name]
+
+    def _keep(self, name):
+        def hook(module, args, kwargs, output):
+            outs = [t for t in tensors(output) if t.dim() > 0 and t.shape[0] == self.batch]
+            ins = [t for t in tensors((args, kwargs)) if t.dim() > 0 and t.shape[0] == self.batch]
+            if outs:
+                self.seen.append((name, [t.detach()[self.rows].clone() for t in ins], outs[0].detach()[self.rows].clone()))
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def origin(control: list, changed: list) -> Optional[str]:
+    """The first module whose output rows differ between the two replays while its input rows did not."""
+    for (name, ins_a, out_a), (name_b, ins_b, out_b) in zip(control, changed):
+        if name != name_b:
+            return None
+        same_in = len(ins_a) == len(ins_b) and all(same_rows(b, a) for a, b in zip(ins_a, ins_b))
+        if same_in and not same_rows(out_b, out_a):
+            return name
+    return None
+
+
+class CouplingCheck(RunCheck):
+    def __init__(self, seed: Optional[int], training_loss: Optional[Callable] = None, examples: int = 2):
+        self.rng = np.random.default_rng(None if seed is None else [seed, 35])
+        self.training_loss = training_loss  # plain loop: batch -> the step's loss
+        self.examples = examples
+        self.step_fn: Optional[Callable] = None  # this batch's training step (Lightning's training_step), if any
+        self.last_batch = None
+        self.states = None  # (torch, numpy, python) RNG states at the last batch's delivery, at a checked step
+        self.call = None  # the model's last forward pass at a checked step (forward_replay.Call)
+        self.root: Optional[torch.nn.Module] = None
+        self.handles: list = []
+        self.compared = 0
+        self.skipped: Optional[str] = None
+        self.found = set()
+
+    def watch(self, root: Optional[torch.nn.Module], due: Callable[[], bool], busy: Callable[[], bool]) -> None:
+        """Hook the model's forward pass (once): at a checked step, keep what a replay needs. The model's forward pass
+        is that of the outermost module that runs among those holding every trained tensor (the root, or the
+        model inside a LightningModule whose own forward never runs)."""
+        if root is None or self.handles:
+            return
+        self.due, self.busy, self.depth = due, busy, 0
+        target = smallest_module_holding(root, self.run.params)
+        name = next(n for n, m in root.named_modules() if m is target)
+        for outer, module in root.named_modules():
+            if outer == "" or name == outer or name.startswith(outer + "."):
+                self.handles += [module.register_forward_pre_hook(self._before, with_kwargs=True),
+                                 module.register_forward_hook(self._after, with_kwargs=True)]
+
+    def _before(self, module, args, kwargs):
+        self.depth += 1
+        if self.depth > 1 or self.busy() or not (module.training and torch.is_grad_enabled()) or not self.due():
+            return None
+        self.call, self.root = captured(args, kwargs), module
+        self.call.buffers = [b.detach().clone() for b in module.buffers()]
+        return None
+
+    def _after(self, module, args, kwargs, output):
+        self.depth = max(0, self.depth - 1)
+        call = self.call
+        if self.busy() or call is None or module is not self.root or call.args is not args or call.chosen is not None:
+            return None
+        leaves = [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
+        if not leaves:
+            self.call = None
+            return None
+        call.batch = leaves[0].shape[0]
+        call.chosen = np.sort(self.rng.choice(call.batch, size=min(self.examples, call.batch), replace=False))
+        rows = torch.as_tensor(call.chosen, device=leaves[0].device)
+        for j, leaf in enumerate(leaves):
+            if leaf.shape[0] == call.batch:
+                leaf.register_hook(first_gradient(call, j, rows))
+                call.outputs[j] = leaf.detach()[rows].clone()
+        return None
+
+    def batch(self, batch, step_fn=None, due: bool = False) -> None:
+        """Keep the batch (a reference) and, at a checked step, the RNG states its training step starts from."""
+        self.last_batch, self.step_fn = batch, step_fn
+        self.states = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if due else None
+
+    # ------------------------------------------------------------------ the replays
+
+    def replay(self, step: int) -> bool:
+        """At a checked step (Opacus's hooks off): the control and the replaced replays; True if the examples are
+        found coupled."""
+        call, self.call = self.call, None
+        if call is None or not call.grads or len(self.found) == 2:
+            return False
+        target, forward = self.root, lambda c, a, k: replay_forward(self.root, c, a, k)
+        keep = np.asarray(call.chosen)
+        rows = torch.as_tensor(keep, device=next(iter(call.outputs.values())).device)
+        pre, post = call.buffers, [b.detach().clone() for b in target.buffers()]
+        inputs = replaced((call.args, call.kwargs), keep, call.batch, self.rng)
+        if inputs is None:
+            self.skipped = f"a batch of {call.batch} example(s) has no others to replace"
+            return False
+        try:
+            control = self._forward(call, target, forward, (call.args, call.kwargs), pre, rows)
+            if not all(j < len(control[0]) and same_rows(control[0][j][rows], out) for j, out in call.outputs.items()):
+                self.skipped = "a replay of the batch as it was does not give the recorded outputs"
+                return False
+            changed = self._forward(call, target, forward, inputs, pre, rows)
+            self.compared += 1
+            self._buffers(target, post, control[2], changed[2], step)
+            moved = [j for j, out in call.outputs.items() if j >= len(changed[0]) or not same_rows(changed[0][j][rows], out)]
+            if moved:
+                where = origin(control[1], changed[1])
+                place = f"in `{where}` of the forward pass" if where else "in the forward pass"
+                return self._found(f"example {int(keep[0])}'s output changes when the batch's other examples are "
+                                   f"replaced, {place}: its gradient depends on other records (statistics over the "
+                                   "batch, inputs mixed across it), so clipping it bounds nothing about one record", step)
+            return self._training_step(call, target, rows, step)
+        finally:
+            with torch.no_grad():
+                for b, value in zip(target.buffers(), post):
+                    b.copy_(value)
+
+    def _forward(self, call, target, forward, inputs, pre, rows):
+        """(output leaves, module rows, buffers after) of one forward pass of the target from the buffers `pre`."""
+        with torch.no_grad():
+            for b, value in zip(target.buffers(), pre):
+                b.copy_(value)
+        recorder = ModuleRows(target, rows, call.batch)
+        try:
+            leaves = forward(call, *inputs)
+        finally:
+            recorder.close()
+        return leaves, recorder.seen, [b.detach().clone() for b in target.buffers()]
+
+    def _buffers(self, target, post, control, changed, step) -> None:
+        names = [n for n, _ in target.named_buffers()]
+        learned = [n for n, a, b, after in zip(names, control, changed, post)
+                   if a.is_floating_point() and same_rows(a, after) and not same_rows(b, a)]
+        if learned and OUTSIDE_DP not in self.found:
+            self.found.add(OUTSIDE_DP)
+            self.run.note_problem(OUTSIDE_DP, f"{DOES_NOT_DESCRIBE}: the buffer(s) {listed(learned)} are updated from the "
+                                  "examples in training (running statistics) and released with the model without noise",
+                                  step)
+
+    def _training_step(self, call, target, rows, step) -> bool:
+        step_fn = self.step_fn if self.step_fn is not None else self.training_loss
+        if step_fn is None or self.states is None or self.last_batch is None:
+            return False
+        if records_in(self.last_batch) != call.batch:
+            self.skipped = "the model's batch is not the loader's (its rows cannot be matched to records)"
+            return False
+        control = self._step(step_fn, self.last_batch, target, rows, call)
+        if control is None or not self._matches(control, call.outputs, call.grads):
+            self.skipped = self.skipped or "a replay of the training step does not give the recorded outputs and gradients"
+            return False
+        batch = replaced(self.last_batch, np.asarray(call.chosen), call.batch, self.rng)
+        changed = self._step(step_fn, batch, target, rows, call)
+        if changed is None:
+            return False
+        outputs, grads = changed
+        if not all(j in outputs and same_rows(outputs[j], out) for j, out in call.outputs.items()):
+            where = "what the training step does to the batch before the model"
+        elif not all(j in grads and same_rows(grads[j], g) for j, g in call.grads.items()):
+            where = "the loss"
+        else:
+            return False
+        return self._found(f"example {int(call.chosen[0])}'s gradient changes when the batch's other examples are replaced; "
+                    f"it arises in {where}: per-example clipping then bounds nothing about one record", step)
+
+    def _step(self, step_fn, batch, target, rows, call):
+        """({leaf: chosen output rows}, {leaf: chosen rows of the loss's gradient}) of one training step, from the
+        states it started in; None if it gives no loss."""
+        torch_state, numpy_state, python_state = self.states
+        captured = []
+        handle = target.register_forward_hook(lambda m, a, out: captured.append(out) if not captured else None)
+        with torch.no_grad():
+            for b, value in zip(target.buffers(), call.buffers):
+                b.copy_(value)
+        numpy_now, python_now = np.random.get_state(), random.getstate()
+        try:
+            with torch.random.fork_rng(devices=[]), torch.enable_grad():
+                torch.set_rng_state(torch_state)
+                np.random.set_state(numpy_state)
+                random.setstate(python_state)
+                loss = step_fn(batch)
+        finally:
+            handle.remove()
+            np.random.set_state(numpy_now)
+            random.setstate(python_now)
+        if isinstance(loss, dict):
+            loss = loss.get("loss")
+        if not torch.is_tensor(loss) or not captured:
+            return None
+        leaves = [t for t in tensors(captured[0]) if t.requires_grad and t.dim() > 0]
+        wanted = {j: leaves[j] for j in call.outputs if j < len(leaves)}
+        grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
+        outs = {j: leaf.detach()[rows] for j, leaf in wanted.items()}
+        got = {j: (torch.zeros_like(leaf[rows]) if g is None else g.detach()[rows]) for (j, leaf), g in zip(wanted.items(), grads)}
+        return outs, got
+
+    @staticmethod
+    def _matches(result, outputs, grads) -> bool:
+        outs, got = result
+        return (all(j in outs and same_rows(outs[j], o) for j, o in outputs.items())
+                and all(j in got and same_rows(got[j], g) for j, g in grads.items()))
+
+    def _found(self, message: str, step: int) -> bool:
+        if CODE not in self.found:
+            self.found.add(CODE)
+            self.run.note_problem(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
+        return True
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.call = [], None
+
+    def status(self) -> str:
+        how = "training step" if (self.step_fn is not None or self.training_loss is not None) else "forward pass"
+        if not self.compared:
+            return f"independence of examples (nothing compared yet{': ' + self.skipped if self.skipped else ''})"
+        return f"independence of examples ({self.compared} replays with the others replaced, through the {how})"

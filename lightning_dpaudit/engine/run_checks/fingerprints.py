@@ -1,0 +1,98 @@
+"""Fingerprints of the batches the loader delivers, for repeats across steps and duplicates within a batch.
+
+Each row r of a batch (all its tensors whose leading size is the batch's) is projected on two
+fixed random vectors drawn from the audit's own generator: h(r) = (<r, u>, <r, v>) in float64
+(at most 65,536 coordinates of each tensor, fixed per width). Equal rows give equal
+projections; a batch's fingerprint is a 128-bit digest of its rows' sorted projections, so it
+does not depend on the rows' order. The projections stay on the device and move to the host
+every `FLUSH` batches (no synchronisation on the other steps). Memory: one 16-byte digest per
+step, at most MAX_BATCHES of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .base import records_in, rows_of
+
+WIDTH = 65_536  # coordinates of a tensor's row that are projected
+FLUSH = 8  # batches whose projections wait on the device
+MAX_BATCHES = 1_000_000  # digests kept (16 bytes each)
+
+
+@dataclass(frozen=True)
+class BatchPrint:
+    step: int  # the step the batch was delivered for (1-based)
+    records: int
+    digest: bytes  # the sorted rows' projections, hashed
+    distinct: int  # distinct rows
+
+
+class BatchPrints:
+    """Feeds on batches; `take()` gives the BatchPrint of every batch delivered since the last call."""
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.directions: Dict[tuple, tuple] = {}
+        self.pending: List[tuple] = []  # (step, records, projections on the device)
+
+    def add(self, batch, step: int) -> None:
+        records = records_in(batch)
+        if not records:
+            return
+        self.pending.append((step, records, self._project(rows_of(batch, records), records)))
+
+    def _project(self, tensors, records: int) -> torch.Tensor:
+        total = None
+        for t in tensors:
+            flat = t.detach().reshape(records, -1)
+            picked, u = self._direction(flat.shape[1], flat.device)
+            rows = flat if picked is None else flat[:, picked]
+            part = rows.to(torch.float64) @ u
+            total = part if total is None else total + part
+        return total
+
+    def _direction(self, width: int, device) -> tuple:
+        key = (width, str(device))
+        if key not in self.directions:
+            picked = None
+            if width > WIDTH:
+                picked = torch.randperm(width, generator=self.generator)[:WIDTH].sort().values.to(device)
+            u = torch.randn(min(width, WIDTH), 2, generator=self.generator, dtype=torch.float64).to(device)
+            self.directions[key] = (picked, u)
+        return self.directions[key]
+
+    def due(self) -> bool:
+        return len(self.pending) >= FLUSH
+
+    def take(self) -> List[BatchPrint]:
+        if not self.pending:
+            return []
+        pending, self.pending = self.pending, []
+        host = torch.cat([p for _, _, p in pending]).cpu().numpy()
+        prints, start = [], 0
+        for step, records, _ in pending:
+            rows = host[start:start + records]
+            start += records
+            ordered = rows[np.lexsort(rows.T[::-1])]
+            distinct = 1 + int(np.any(ordered[1:] != ordered[:-1], axis=1).sum()) if records else 0
+            prints.append(BatchPrint(step, records, hashlib.blake2b(ordered.tobytes(), digest_size=16).digest(), distinct))
+        return prints
+
+
+class RepeatIndex:
+    """The first step of each batch digest seen (bounded); `seen(print)` gives the earlier step of a repeat."""
+
+    def __init__(self):
+        self.first: Dict[bytes, int] = {}
+
+    def seen(self, p: BatchPrint) -> Optional[int]:
+        earlier = self.first.get(p.digest)
+        if earlier is None and len(self.first) < MAX_BATCHES:
+            self.first[p.digest] = p.step
+        return earlier

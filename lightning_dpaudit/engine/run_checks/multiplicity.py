@@ -1,0 +1,128 @@
+"""Multiplicity: is each record one row of the clipped sum?
+
+rows         each step, the rows the optimizer clipped (the per-sample gradients' or, under ghost
+             clipping, the per-sample norms' leading size, summed over the step's physical batches)
+             against the records the loader delivered for the step. More rows than records means
+             some record became several rows, each clipped to C on its own: its sensitivity is k C
+             while the noise is for C. Certain: finding `multiplicity`.
+dataset      a ConcatDataset whose parts reach the same underlying dataset or tensor storage (a
+             dataset concatenated with transformed copies of itself): each record is several rows
+             of the data. Certain at attach: finding `multiplicity`.
+duplicates   rows equal to another row of the same batch (fingerprints.py). Poisson sampling draws
+             a record at most once a step, so these are duplicate records in the data or copies: a
+             note naming the count, since the claim is one record per person.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import DOES_NOT_DESCRIBE, RunCheck
+
+CODE = "multiplicity"
+DEPTH = 4  # attributes followed from a part of a ConcatDataset to what it wraps
+
+
+def clipped_rows(params) -> Optional[int]:
+    """The leading size of the per-sample gradients (or ghost clipping's per-sample norms) the optimizer holds now."""
+    for p in params:
+        held = getattr(p, "grad_sample", None)
+        if held is None:
+            held = getattr(p, "_norm_sample", None)
+        if isinstance(held, list):
+            return sum(h.shape[0] for h in held)
+        if torch.is_tensor(held) and held.dim() > 0:
+            return int(held.shape[0])
+    return None
+
+
+def sources(obj, depth: int = DEPTH) -> set:
+    """What a dataset reaches: ("dataset", id) of itself and of the datasets it wraps (attributes, within `depth`),
+    ("tensor", storage, offset, shape) of a TensorDataset's tensors, and ("row", source, index) of a Subset's rows.
+    Custom datasets holding bare tensors reach nothing here (which rows they use is theirs to say)."""
+    from torch.utils.data import Dataset, Subset, TensorDataset
+
+    if depth < 0 or not isinstance(obj, Dataset):
+        return set()
+    if isinstance(obj, Subset):
+        return {("row", source, int(i)) for source in sources(obj.dataset, depth - 1) for i in obj.indices}
+    found = {("dataset", id(obj))}
+    if isinstance(obj, TensorDataset):
+        found |= {("tensor", t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in obj.tensors}
+    for value in vars(obj).values():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            found |= sources(item, depth - 1)
+    return found
+
+
+def _overlap(a: set, b: set) -> bool:
+    """Two parts share a record: a common source, or a Subset's row of a source the other reaches whole."""
+    if a & b:
+        return True
+    whole_a = {s for s in a if s[0] != "row"}
+    whole_b = {s for s in b if s[0] != "row"}
+    return any(s[0] == "row" and s[1] in whole_b for s in a) or any(s[0] == "row" and s[1] in whole_a for s in b)
+
+
+def concatenated_copies(dataset) -> Optional[str]:
+    """A sentence when the dataset concatenates parts that reach the same records (ConcatDataset, at any depth)."""
+    from torch.utils.data import ConcatDataset
+
+    if not isinstance(dataset, ConcatDataset):
+        inner = getattr(dataset, "dataset", None)
+        return None if inner is None or inner is dataset else concatenated_copies(inner)
+    reached = [sources(part) for part in dataset.datasets]
+    for i in range(len(reached)):
+        for j in range(i + 1, len(reached)):
+            if _overlap(reached[i], reached[j]):
+                a, b = type(dataset.datasets[i]).__name__, type(dataset.datasets[j]).__name__
+                return (f"the training data is a ConcatDataset whose parts {i} ({a}) and {j} ({b}) hold the same records: "
+                        "a record is several rows of the data (copies or transformed copies), each clipped on its own, "
+                        "while the accountant counts one")
+    return None
+
+
+class MultiplicityCheck(RunCheck):
+    def __init__(self):
+        self.rows = 0  # rows clipped since the last noised step
+        self.records: Optional[int] = 0  # records delivered since the last noised step (None: unknown this step)
+        self.compared = 0
+        self.fed = False  # batches reach the check (a loader or the callback feeds it)
+        self.found = False
+        self.duplicates = 0
+
+    def loader(self, loader) -> None:
+        problem = concatenated_copies(getattr(loader, "dataset", None))
+        if problem is not None:
+            self._found(problem, 0)
+
+    def batch_records(self, records: Optional[int]) -> None:
+        self.fed = True
+        self.records = None if records is None or self.records is None else self.records + records
+
+    def accumulated(self) -> None:
+        """The optimizer is about to clip and accumulate a physical batch."""
+        rows = clipped_rows(self.run.params)
+        self.rows += rows or 0
+
+    def step(self, step: int) -> None:
+        rows, records = self.rows, self.records
+        self.rows, self.records = 0, 0
+        if not self.fed or records is None or not rows:
+            return
+        self.compared += 1
+        if rows > records and not self.found:
+            self._found(f"the optimizer clipped {rows} rows at step {step} for the {records} records the loader "
+                        f"delivered: a record became several rows (copies made in the step?), each clipped to C, so "
+                        f"one record moves the sum by up to {rows / max(records, 1):.3g} C while the noise is for C", step)
+
+    def _found(self, message: str, step: int) -> None:
+        self.found = True
+        self.run.note_problem(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
+
+    def status(self) -> str:
+        if not self.fed:
+            return "rows per record (not compared: no loader seen)"
+        return f"rows per record ({self.compared} steps compared)"

@@ -1,0 +1,81 @@
+"""Everything trained is private: no tensor of the module learns from the data outside the DP optimizer.
+
+optimizers   a tensor of the module held by another optimizer of the run (the Trainer's other
+             optimizers): trained without noise. Certain at attach: finding `outside_dp`.
+parameters   a tensor of the module that requires grad and that the DP optimizer does not hold is
+             watched: its fingerprint (sum, sum of squares and a fixed random projection, float64)
+             is taken at attach and compared at steps 1, 2 and every WATCH_EVERY steps. A change
+             means something other than the DP optimizer updated it from the data's gradients (a
+             second optimizer, a manual step): certain, finding `outside_dp`. Left unchanged it
+             releases nothing, and is counted in the status.
+buffers      buffers the forward pass updates from the examples (running statistics) are found by
+             the exact checks' replay (coupling.py).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from .base import DOES_NOT_DESCRIBE, RunCheck
+
+CODE = "outside_dp"
+WATCH_EVERY = 100
+NAMED = 4
+
+
+def fingerprint(t: torch.Tensor) -> tuple:
+    """(sum, sum of squares, sum of x_i * ((i * 2654435761) mod 2^32)) in float64: equal tensors give equal prints."""
+    flat = t.detach().reshape(-1).to(torch.float64)
+    weights = (torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) * 2654435761) % (2**32)
+    return tuple(float(v) for v in (flat.sum(), (flat * flat).sum(), (flat * weights.to(torch.float64)).sum()))
+
+
+def listed(names: List[str]) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:NAMED])
+    return shown + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
+
+
+class OutsideDPCheck(RunCheck):
+    def __init__(self):
+        self.watched: Dict[str, tuple] = {}  # name -> (tensor, fingerprint at attach)
+        self.found = False
+        self.compared = 0
+
+    def attach(self, run) -> None:
+        super().attach(run)
+        module = run.module
+        if module is None:
+            return
+        covered = {id(p) for p in run.params}
+        named = [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
+        others = []
+        for optimizer in run.other_optimizers:
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            names = [n for n, p in named if id(p) in held]
+            if names:
+                others.append((type(optimizer).__name__, names))
+        if others:
+            said = "; ".join(f"{listed(names)} by {kind}" for kind, names in others)
+            self._found(f"tensors of the module are trained by another optimizer than the DP optimizer, without noise "
+                        f"or clipping: {said}", 0)
+        self.watched = {n: (p, fingerprint(p)) for n, p in named if p.requires_grad}
+
+    def step(self, step: int) -> None:
+        if self.found or not self.watched or not (step <= 2 or step % WATCH_EVERY == 0):
+            return
+        self.compared += 1
+        changed = [n for n, (p, before) in self.watched.items() if fingerprint(p) != before]
+        if changed:
+            self._found(f"{listed(changed)} changed by step {step} though the DP optimizer does not hold "
+                        f"{'them' if len(changed) > 1 else 'it'}: trained on the data without noise or clipping", step)
+
+    def _found(self, message: str, step: int) -> None:
+        self.found = True
+        self.run.note_problem(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
+
+    def status(self) -> str:
+        if self.run.module is None:
+            return "tensors outside the DP optimizer (not compared: no module given)"
+        return f"tensors outside the DP optimizer ({len(self.watched)} watched, {self.compared} comparisons)"

@@ -1,0 +1,30 @@
+"""A DataLoader whose batches are seen as they are delivered, and put back exactly as it was.
+
+The loader's class is swapped, on this instance only, for a subclass whose `__iter__` hands
+each batch to `seen(batch)` before yielding it unchanged (a `for` loop looks `__iter__` up on
+the class, so an instance attribute would not be called); `restore()` gives the instance its
+class back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class WatchedLoader:
+    def __init__(self, loader, seen: Callable):
+        self.loader, self.original = loader, type(loader)
+        original = self.original
+
+        def __iter__(self):
+            for batch in original.__iter__(self):
+                seen(batch)
+                yield batch
+
+        watched = type(original.__name__, (original,), {"__iter__": __iter__, "__module__": original.__module__,
+                                                        "__qualname__": original.__qualname__})
+        loader.__class__ = watched
+
+    def restore(self) -> None:
+        if type(self.loader).__mro__[1] is self.original:
+            self.loader.__class__ = self.original

@@ -1,0 +1,422 @@
+"""The run checks: what the accountant assumes about the run beyond the optimizer (engine/run_checks/).
+
+Each kind of pipeline mistake is flagged with the finding that names it at the first step where it
+is certain, and correct runs (Poisson loaders, BatchMemoryManager, dropout, disjoint ConcatDatasets)
+stay quiet. The checks are certainties except the batch-size test (its own budget, 1e-6 over a run)
+and the batch-repeat test (alarms only where Poisson sampling repeats a batch with probability
+below 1e-9): every test here is deterministic under its seeds, with false-failure rate below 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from opacus import PrivacyEngine
+from opacus.accountants import RDPAccountant
+from opacus.data_loader import DPDataLoader
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from torch import nn
+from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset, WeightedRandomSampler
+
+from lightning_dpaudit import DPAuditCallback, PrivacyAuditor
+from lightning_dpaudit.analysis.report import summary_table, verdict_title
+from lightning_dpaudit.estimators.batch_sizes import BatchSizeTest
+from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset, make_private_digits
+
+warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+CE = nn.CrossEntropyLoss()
+PIPELINE = {"sampling", "multiplicity", "coupled_examples", "outside_dp"}
+
+
+def _train(model, optimizer, loader, steps, step_loss=None, after=None):
+    done = 0
+    while done < steps:
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = step_loss(batch) if step_loss is not None else CE(model(batch[0]), batch[1])
+            loss.backward()
+            optimizer.step()
+            if after is not None:
+                after()
+            done += 1
+            if done >= steps:
+                return
+
+
+def _codes(result):
+    return [(f.code, f.first_step) for f in result.findings]
+
+
+def _private(model, data, *, batch_size=64, poisson=True, sampler=None, seed=0, **options):
+    torch.manual_seed(seed)
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, shuffle=sampler is None,
+                        generator=torch.Generator().manual_seed(seed))
+    return PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=poisson,
+        noise_generator=torch.Generator().manual_seed(seed + 1), **options,
+    )
+
+
+# ------------------------------------------------------------------ correct runs stay quiet
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+def test_a_correct_poisson_run_is_quiet_and_the_checks_compare(mode):
+    model, optimizer, loader, _ = make_private_digits(seed=0, grad_sample_mode=mode)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1,
+                             training_loss=lambda b: CE(model(b[0]), b[1]))
+    _train(model, optimizer, loader, 60)
+    result = auditor.result()
+    assert not result.violation and not PIPELINE & {c for c, _ in _codes(result)}
+    assert "loader: poisson" in result.pipeline and "60 steps compared" in result.pipeline
+    assert "1 replays with the others replaced, through the training step" in result.pipeline
+    assert math.isnan(result.epsilon_sampling)
+
+
+def test_batch_memory_manager_counts_every_physical_batch_of_a_step():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, module=model, seed=1)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=16, optimizer=optimizer) as safe:
+        auditor.watch_loader(safe)
+        for x, y in safe:
+            optimizer.zero_grad()
+            CE(model(x), y).backward()
+            optimizer.step()
+            if auditor.steps >= 30:
+                break
+    result = auditor.result()
+    assert not result.violation, _codes(result)
+    assert auditor.steps >= 25  # one epoch of Poisson batches (its length varies)
+    assert "loader: poisson" in result.pipeline and f"{auditor.steps} steps compared" in result.pipeline
+
+
+def test_a_dropout_model_replays_exactly_and_stays_quiet():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 10))
+    model, optimizer, loader = _private(model, digits_dataset())
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=2,
+                             training_loss=lambda b: CE(model(b[0]), b[1]), per_sample_check_every=5,
+                             per_sample_check_budget=1.0)
+    _train(model, optimizer, loader, 30)
+    result = auditor.result()
+    assert not result.violation, _codes(result)
+    assert auditor.run_checks.coupling.compared == 6
+
+
+def test_disjoint_parts_of_one_dataset_are_not_copies():
+    data = digits_dataset()
+    parts = ConcatDataset([Subset(data, range(0, 900)), Subset(data, range(900, 1797))])
+    model, optimizer, loader = _private(DigitsCNN(), parts)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 5)
+    assert not auditor.result().violation
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def test_a_loader_never_made_private_is_flagged_at_attach_with_the_epsilon_of_its_sampling():
+    model, optimizer, loader, engine = make_private_digits(seed=0, poisson_sampling=False)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    assert _codes(auditor.result()) == [("sampling", 0)]
+    _train(model, optimizer, loader, 60)  # 29 batches an epoch: 3 epochs begun
+    result = auditor.result()
+    assert "shuffled fixed-size batches of 64" in result.findings[0].message
+    expected = RDPAccountant()
+    expected.history = [(1.0, 1.0, 3)]
+    assert result.epsilon_sampling == pytest.approx(expected.get_epsilon(delta=1e-5), rel=1e-9)
+    assert result.epsilon_sampling > result.epsilon_accountant
+    assert summary_table({"result": result.to_dict()}).startswith(
+        "VIOLATION: the accountant's epsilon does not describe this run (sampling); first at step 0")
+    assert "epsilon, sampling used" in str(result)
+    assert verdict_title(result).startswith("VIOLATION at step 0: the accountant's epsilon does not describe this run")
+
+
+def test_a_weighted_sampler_has_no_valid_epsilon():
+    data = digits_dataset()
+    sampler = WeightedRandomSampler(torch.ones(len(data)), num_samples=len(data), generator=torch.Generator().manual_seed(0))
+    model, optimizer, loader = _private(DigitsCNN(), data, poisson=False, sampler=sampler)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 3)
+    result = auditor.result()
+    assert _codes(result)[0] == ("sampling", 0) and "drawn by weight" in result.findings[0].message
+    assert result.epsilon_sampling == math.inf and "no valid bound" in str(result)
+
+
+def test_a_poisson_loader_at_another_rate_than_the_accountant_is_flagged():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    faster = DPDataLoader.from_data_loader(DataLoader(digits_dataset(), batch_size=128))
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=faster, seed=1)
+    result = auditor.result()
+    assert _codes(result) == [("sampling", 0)] and "accountant composes 0.0344828" in result.findings[0].message
+
+
+class FixedBatches:
+    """A batch sampler of its own kind (not one the loader check knows): shuffled batches of 64."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(0))
+        return iter(order[: self.n - self.n % 64].view(-1, 64).tolist())
+
+    def __len__(self):
+        return self.n // 64
+
+
+def test_fixed_batch_sizes_are_refuted_within_a_few_dozen_steps():
+    model, optimizer, _, _ = make_private_digits(seed=0)
+    loader = DataLoader(digits_dataset(), batch_sampler=FixedBatches(1797))
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    assert not auditor.result().violation  # the sampler is not one the loader check recognises
+    _train(model, optimizer, loader, 30)
+    result = auditor.result()
+    assert _codes(result)[0][0] == "sampling" and _codes(result)[0][1] <= 16
+    assert "pairs of consecutive batches have equal sizes" in result.findings[0].message
+
+
+def test_a_re_seeded_generator_repeats_batches_and_is_flagged():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    for epoch in range(3):
+        loader.batch_sampler.generator.manual_seed(5)  # the same draws every epoch
+        _train(model, optimizer, loader, len(loader))
+    result = auditor.result()
+    assert _codes(result)[0] == ("sampling", len(loader) + 1)
+    assert "holds exactly the records of step 1's" in result.findings[0].message
+
+
+def test_the_batch_size_test_keeps_its_false_alarm_budget():
+    """2,000 simulated Poisson runs of 300 steps at alpha 0.05: the rate is far below alpha (0.0045 here)."""
+    rng = np.random.default_rng(0)
+    alarms = 0
+    for _ in range(2000):
+        test = BatchSizeTest(64, 64 / 1500, 0.05)
+        alarms += any(test.add(int(x)) for x in rng.binomial(1500, 64 / 1500, size=300))
+    assert alarms / 2000 <= 0.05
+    fixed = BatchSizeTest(64, 64 / 1500, 1e-6)
+    assert [i for i in range(40) if fixed.add(64)][0] <= 12
+
+
+# ------------------------------------------------------------------ multiplicity
+
+
+def test_copies_made_in_the_step_are_flagged_at_step_1():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+
+    def augmented(batch):
+        x, y = batch
+        return CE(model(torch.cat([x, x.flip(-1)])), torch.cat([y, y]))
+
+    _train(model, optimizer, loader, 3, step_loss=augmented)
+    result = auditor.result()
+    assert _codes(result)[0] == ("multiplicity", 1)
+    assert "up to 2 C while the noise is for C" in result.findings[0].message
+
+
+def test_a_dataset_concatenated_with_transformed_copies_of_itself_is_flagged_at_attach():
+    class Flipped(torch.utils.data.Dataset):
+        def __init__(self, base):
+            self.base = base
+
+        def __len__(self):
+            return len(self.base)
+
+        def __getitem__(self, i):
+            x, y = self.base[i]
+            return x.flip(-1), y
+
+    data = digits_dataset()
+    model, optimizer, loader = _private(DigitsCNN(), ConcatDataset([data, Flipped(data)]))
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    result = auditor.result()
+    assert _codes(result) == [("multiplicity", 0)] and "parts 0 (TensorDataset) and 1 (Flipped)" in result.findings[0].message
+
+
+# ------------------------------------------------------------------ independence
+
+
+class BatchCentred(nn.Module):
+    """Subtracts the batch's mean: every example's output depends on the others."""
+
+    def forward(self, x):
+        return x - x.mean(dim=0, keepdim=True)
+
+
+def test_statistics_over_the_batch_are_flagged_in_the_module_where_they_arise():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), BatchCentred(), nn.ReLU(), nn.Linear(32, 10))
+    model, optimizer, loader = _private(model, digits_dataset())
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 3)
+    result = auditor.result()
+    assert _codes(result)[0][0] == "coupled_examples" and _codes(result)[0][1] <= 1
+    assert "in `2` of the forward pass" in result.findings[0].message
+
+
+def test_mixing_inputs_in_the_training_step_is_flagged_before_the_model():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+
+    def mixup(batch):
+        x, y = batch
+        return CE(model(0.7 * x + 0.3 * x.roll(1, dims=0)), y)
+
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1, training_loss=mixup)
+    _train(model, optimizer, loader, 3, step_loss=mixup)
+    result = auditor.result()
+    assert _codes(result)[0] == ("coupled_examples", 1)
+    assert "it arises in what the training step does to the batch before the model" in result.findings[0].message
+
+
+def test_a_loss_over_pairs_is_flagged_in_the_loss():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+
+    def contrastive(batch):
+        out = model(batch[0])
+        return CE(out, batch[1]) + (out @ out.T).logsumexp(dim=1).mean()
+
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1, training_loss=contrastive)
+    _train(model, optimizer, loader, 3, step_loss=contrastive)
+    result = auditor.result()
+    assert _codes(result)[0] == ("coupled_examples", 1) and "it arises in the loss" in result.findings[0].message
+
+
+def test_without_the_training_loss_the_check_covers_the_forward_pass_and_says_so():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+
+    def contrastive(batch):
+        out = model(batch[0])
+        return CE(out, batch[1]) + (out @ out.T).logsumexp(dim=1).mean()
+
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 3, step_loss=contrastive)
+    result = auditor.result()
+    assert not result.violation and "through the forward pass" in result.pipeline
+
+
+# ------------------------------------------------------------------ outside DP-SGD
+
+
+def test_a_head_trained_by_another_optimizer_is_flagged_by_step_2():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    head = nn.Linear(10, 10)
+    other = torch.optim.Adam(head.parameters())
+    auditor = PrivacyAuditor(optimizer, module=nn.ModuleDict({"body": model, "head": head}), data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 3, step_loss=lambda b: CE(head(model(b[0])), b[1]), after=other.step)
+    result = auditor.result()
+    assert _codes(result)[0] == ("outside_dp", 2) and "`head.weight`, `head.bias` changed" in result.findings[0].message
+
+
+def test_another_optimizer_given_is_flagged_at_attach():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    head = nn.Linear(10, 10)
+    auditor = PrivacyAuditor(optimizer, module=nn.ModuleDict({"body": model, "head": head}), seed=1,
+                             other_optimizers=[torch.optim.SGD(head.parameters(), lr=0.1)])
+    result = auditor.result()
+    assert _codes(result) == [("outside_dp", 0)] and "`head.weight`, `head.bias` by SGD" in result.findings[0].message
+
+
+def test_a_tensor_left_out_but_never_changed_releases_nothing():
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    frozen = nn.Linear(10, 10)  # requires grad, in no optimizer, never updated
+    auditor = PrivacyAuditor(optimizer, module=nn.ModuleDict({"body": model, "frozen": frozen}), data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 5, step_loss=lambda b: CE(frozen(model(b[0])), b[1]))
+    result = auditor.result()
+    assert not result.violation and "2 watched" in result.pipeline
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean of its inputs (a statistic of the data, released with the model)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(dim=0))
+        return x
+
+
+def test_a_buffer_learned_from_the_data_is_outside_dp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), RunningMean(64), nn.Linear(64, 10))
+    model, optimizer, loader = _private(model, digits_dataset())
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 3)
+    result = auditor.result()
+    assert ("outside_dp", 1) in _codes(result) and "`1.mean`" in result.findings[0].message
+
+
+# ------------------------------------------------------------------ Lightning
+
+
+class Digits(pl.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(Subset(digits_dataset(), range(512)), batch_size=64, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+
+
+class Private(pl.LightningModule):
+    def __init__(self, mixup=False, poisson=True):
+        super().__init__()
+        self.model, self.mixup, self.poisson = DigitsCNN(), mixup, poisson
+        self.privacy_engine = PrivacyEngine()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.mixup:
+            x = 0.5 * x + 0.5 * x.flip(0)
+        loss = CE(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        loader = self.trainer.datamodule.train_dataloader()
+        _, optimizer, _ = self.privacy_engine.make_private(
+            module=self, optimizer=torch.optim.SGD(self.parameters(), lr=0.2), data_loader=loader,
+            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=isinstance(loader, DPDataLoader),
+            noise_generator=torch.Generator().manual_seed(7),
+        )
+        return optimizer
+
+
+def _fit(tmp_path, module, datamodule, steps=12):
+    from opacus.lightning import DPLightningDataModule
+
+    pl.seed_everything(0, verbose=False)
+    seen = []
+    callback = DPAuditCallback(alert=seen.append, seed=0, report=False)
+    trainer = pl.Trainer(max_steps=steps, callbacks=[callback], logger=False, default_root_dir=tmp_path,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         accelerator="cpu")
+    trainer.fit(module, datamodule=DPLightningDataModule(datamodule) if module.poisson else datamodule)
+    return callback.auditor.result(), seen
+
+
+def test_lightning_with_opacus_data_module_is_quiet_and_replays_the_training_step(tmp_path):
+    result, seen = _fit(tmp_path, Private(), Digits())
+    assert not result.violation and not seen
+    assert "loader: poisson" in result.pipeline and "through the training step" in result.pipeline
+
+
+def test_lightning_with_a_data_module_never_made_private_alerts_at_fit_start(tmp_path):
+    result, seen = _fit(tmp_path, Private(poisson=False), Digits(), steps=3)
+    assert len(seen) == 1 and seen[0].steps == 0 and _codes(seen[0]) == [("sampling", 0)]
+    assert "the accountant's epsilon does not describe this run" in str(result).splitlines()[0]
+
+
+def test_lightning_mixup_in_training_step_is_flagged(tmp_path):
+    result, seen = _fit(tmp_path, Private(mixup=True), Digits(), steps=3)
+    assert seen and _codes(result)[0] == ("coupled_examples", 1)
+    assert "before the model" in result.findings[0].message
