@@ -9,7 +9,8 @@ The recipe:
    whose loss is not a torch.Tensor, so the module optimizes manually (forward,
    criterion, manual_backward, step), as in examples/transformer_ghost.py.
 3. make_private gets a data loader with a DistributedSampler (one shard per rank), so the
-   accountant's sample rate is that of the whole batch, and Lightning keeps it
+   accountant's sample rate is that of the whole batch; every rank trains on the
+   Poisson-sampled loader make_private returns, and Lightning keeps its sampler
    (`use_distributed_sampler=False`).
 4. The noise has its own generator, seeded from the OS in each process: every rank draws
    noise the shape of each whole tensor and adds the rows of it that it owns.
@@ -71,7 +72,6 @@ class ShardedPrivateClassifier(pl.LightningModule):
             noise_multiplier=self.hparams.noise_multiplier,
             max_grad_norm=self.hparams.max_grad_norm,
             grad_sample_mode="ghost_fsdp",
-            poisson_sampling=False,
             noise_generator=self.noise_generator,
         )
         if self.hparams.bug:  # for the tests: a broken optimizer the audit must catch
@@ -99,7 +99,7 @@ def main(steps: int, out: str, bug: str = None, alert: str = "warn") -> None:
         accelerator="cpu",
         devices=2,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        use_distributed_sampler=False,  # keep the sampler make_private got
+        use_distributed_sampler=False,  # keep the Poisson sampler make_private built
         logger=TensorBoardLogger(out, name="lightning_fsdp"),
         callbacks=[DPAuditCallback(log_every_n_steps=10, alert=alert)],  # the only audit line
         log_every_n_steps=10,

@@ -27,7 +27,8 @@ class Digits(pl.LightningDataModule):
 
     def train_dataloader(self):
         generator = torch.Generator().manual_seed(0)
-        return DataLoader(Subset(digits_dataset(), range(TRAIN)), batch_size=64, shuffle=self.shuffle, generator=generator)
+        loader = DataLoader(Subset(digits_dataset(), range(TRAIN)), batch_size=64, shuffle=self.shuffle, generator=generator)
+        return DPDataLoader.from_data_loader(loader) if self.shuffle else loader  # Poisson sampling, as the accountant assumes
 
 
 class Private(pl.LightningModule):

@@ -226,12 +226,13 @@ def test_physical_batches_are_checked_against_the_last_one(mode):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_lightning_training_step_unchanged_is_checked(tmp_path, accumulate):
-    from test_callback import Private, _fit
+    from test_callback import Digits, Private, _fit
 
     from lightning_dpaudit import DPAuditCallback
 
     callback = DPAuditCallback(per_sample_check_every=2, per_sample_check_budget=1.0)
-    _fit(tmp_path, steps=5, callback=callback, accumulate_grad_batches=accumulate)
+    data = Digits(shuffle=False) if accumulate > 1 else None  # Opacus refuses Poisson sampling with accumulation
+    _fit(tmp_path, steps=5, callback=callback, datamodule=data, accumulate_grad_batches=accumulate)
     check = callback.auditor.per_sample_check
     assert check.checked == 2 and check.skipped is None and check.failed is None  # steps 1 and 3
     assert not [code for code, *_ in callback.auditor.problems if code == "per_sample_gradients"]
@@ -312,7 +313,7 @@ def test_a_deterministic_model_replays_the_chosen_examples_alone_and_still_sees_
         samplers[nn.Conv1d] = _scaled(samplers[nn.Conv1d], "weight", 0.5, only_sequences=False)
         monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
     broken = train(*setup(mode, dropout=0.0), steps=3, auditor_kwargs={})
-    assert broken.per_sample_check.replayed["examples"] == 1
+    assert broken.per_sample_check.replays["examples"] == 1
     assert [code for code, *_ in broken.problems] == ["per_sample_gradients"]
 
 

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import pytorch_lightning as pl
 import torch
+from opacus.data_loader import DPDataLoader
 from opacus import PrivacyEngine
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Subset
@@ -31,8 +32,8 @@ STEPS_AFTER = RESUMED_EPOCHS * TRAIN // BATCH
 
 
 class Digits(pl.LightningDataModule):
-    def train_dataloader(self):  # shuffled by torch's global generator, as by default
-        return DataLoader(Subset(digits_dataset(), range(TRAIN)), batch_size=BATCH, shuffle=True)
+    def train_dataloader(self):  # Poisson sampling from torch's global generator
+        return DPDataLoader.from_data_loader(DataLoader(Subset(digits_dataset(), range(TRAIN)), batch_size=BATCH))
 
 
 class GlobalNoise(pl.LightningModule):

@@ -207,8 +207,10 @@ def test_under_lightning_both_epsilon_curves_follow_a_noise_schedule(tmp_path):
             return torch.nn.functional.cross_entropy(self.model(batch[0]), batch[1])
 
         def train_dataloader(self):
-            return DataLoader(Subset(digits_dataset(), range(512)), batch_size=64, shuffle=True,
-                              generator=torch.Generator().manual_seed(0))
+            from opacus.data_loader import DPDataLoader
+
+            loader = DataLoader(Subset(digits_dataset(), range(512)), batch_size=64, generator=torch.Generator().manual_seed(0))
+            return DPDataLoader.from_data_loader(loader)  # Poisson sampling, as the accountant assumes
 
         def configure_optimizers(self):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.2)

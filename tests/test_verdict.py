@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from opacus.data_loader import DPDataLoader
 from pytorch_lightning.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, Subset
 
@@ -105,8 +106,8 @@ def test_summary_counts_only_layers():
 
 class Digits(pl.LightningDataModule):
     def train_dataloader(self):
-        return DataLoader(Subset(digits_dataset(), range(512)), batch_size=64, shuffle=True,
-                          generator=torch.Generator().manual_seed(0))
+        loader = DataLoader(Subset(digits_dataset(), range(512)), batch_size=64, generator=torch.Generator().manual_seed(0))
+        return DPDataLoader.from_data_loader(loader)  # Poisson sampling, as the accountant assumes
 
 
 class Private(pl.LightningModule):

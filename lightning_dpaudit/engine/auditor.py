@@ -178,7 +178,7 @@ class PrivacyAuditor:
             ghost=is_ghost(optimizer), note_problem=lambda *a: self.pipeline.note_problem(*a),
             ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer),
             off_reason=None if path_class.checks_per_sample else "not yet under FSDP",
-            on_accumulate=self.run_checks.accumulated, replays=(self.run_checks.coupling.replay,),
+            on_accumulate=self.run_checks.accumulated, further=(self.run_checks.coupling.replay,),
         )
         self.path.verify_start(options.canaries_per_step, seed)
         self.path.attach(self._noised_step)

@@ -60,11 +60,11 @@ class PerSampleCheck:
     def __init__(self, optimizer, params, names, module: Callable, steps: Callable[[], int], *, every: int,
                  examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None,
                  off_reason: Optional[str] = None, budget: float = DEFAULT_BUDGET,
-                 on_accumulate: Optional[Callable[[], None]] = None, replays: tuple = ()):
+                 on_accumulate: Optional[Callable[[], None]] = None, further: tuple = ()):
         self.optimizer, self.params, self.names = optimizer, list(params), names
         self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
         self.on_accumulate = on_accumulate  # told of every physical batch the optimizer accumulates (run_checks)
-        self.replays = tuple(replays)  # further replays of a compared call: (call, target, forward, step) -> None
+        self.further = tuple(further)  # further replays at a checked step: step -> whether they found the examples coupled
         self.module, self.steps, self.note_problem = module, steps, note_problem
         self.every, self.examples, self.ghost, self.off_reason = every, examples, ghost, off_reason
         self.budget = CheckBudget(budget)  # the ledger's additions, the replay and the comparison count against it
@@ -76,7 +76,7 @@ class PerSampleCheck:
         self.replaying = False  # True while the check itself runs the model (nothing is captured then)
         self.checked = 0  # steps whose examples were compared
         self.eps = EPS32  # the unit roundoff of the lowest precision the last checked step computed in
-        self.replayed = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
+        self.replays = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
         self.skipped: Optional[str] = None  # why the last due step could not be compared
         self.failed: Optional[str] = None
         self._wrapped = None
@@ -145,7 +145,9 @@ class PerSampleCheck:
     def _before_forward(self, module, args, kwargs):
         if self.replaying or not self.due(self.steps()) or not (module.training and torch.is_grad_enabled()):
             return None
-        self.calls.append(captured(args, kwargs))
+        call = captured(args, kwargs)
+        call.buffers = [b.detach().clone() for b in module.buffers()]  # a replay starts from them
+        self.calls.append(call)
         return None
 
     def _after_forward(self, module, args, kwargs, output):
@@ -217,10 +219,10 @@ class PerSampleCheck:
     def _replay_further(self, step: int) -> bool:
         """The further replays of the step (run_checks/coupling.py), with Opacus's hooks off; True when one found the
         examples coupled: no example then has a gradient of its own to compare Opacus's with."""
-        if not self.replays:
+        if not self.further:
             return False
         with self._replaying():
-            coupled = [replay(step) for replay in self.replays]
+            coupled = [replay(step) for replay in self.further]
         if any(coupled):
             self.skipped = "the examples are coupled (run checks): no example has a gradient of its own"
         return any(coupled)
@@ -332,14 +334,18 @@ class PerSampleCheck:
             try:
                 leaves = self._forward(call, *alone)
                 if all(j < len(leaves) and same_rows(leaves[j], rows) for j, rows in call.outputs.items()):
-                    self.replayed["examples"] += 1
+                    self.replays["examples"] += 1
                     return leaves, range(len(call.chosen))
             except Exception:  # a forward pass that refuses a smaller batch: replay the whole batch
                 pass
-        self.replayed["batch"] += 1
+        self.replays["batch"] += 1
         return self._forward(call, call.args, call.kwargs), call.chosen
 
     def _forward(self, call: Call, args, kwargs) -> list:
+        """The target's forward pass from the call's state: its RNG states, and its buffers as they were before it."""
+        with torch.no_grad():
+            for b, value in zip(self.target.buffers(), call.buffers):
+                b.copy_(value)
         return replay_forward(self.target, call, args, kwargs)
 
     def close(self) -> None:

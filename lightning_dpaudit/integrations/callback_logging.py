@@ -74,6 +74,7 @@ class AuditLogging:
         metrics = {
             "dpaudit/eps_lower_bound": result.epsilon_lower_bound,
             "dpaudit/eps_accountant": result.epsilon_accountant,
+            "dpaudit/eps_sampling": result.epsilon_sampling,  # under the sampling used, where not the accountant's
             "dpaudit/mu_lower_bound": result.mu_lower_bound,
             "dpaudit/mu_claimed": result.mu_claimed,
             "dpaudit/n_observations": float(result.n_in + result.n_out),

@@ -22,7 +22,7 @@ def chart_layout(log_every_n_steps: int, logging_budget: float) -> dict:
     return {
         "dpaudit": {
             f"epsilon: empirical lower bound vs accountant ({covers})":
-                ["Multiline", ["dpaudit/eps_lower_bound", "dpaudit/eps_accountant"]],
+                ["Multiline", ["dpaudit/eps_lower_bound", "dpaudit/eps_accountant", "dpaudit/eps_sampling"]],
             f"per-step mu: lower bound vs claimed (a point every {log_every_n_steps} steps)":
                 ["Multiline", ["dpaudit/mu_lower_bound", "dpaudit/mu_claimed"]],
         }

@@ -94,8 +94,8 @@ class RunChecks:
         """A noised step, before its canaries."""
         self._watch_model()
         self.steps += 1
-        if self.records is not None and self.multiplicity.fed:
-            self.sampling.records(self.records, self.steps)
+        seen = self.records if self.multiplicity.fed and self.records else None
+        self.sampling.records(seen if seen is not None else self.multiplicity.rows, self.steps)
         self.records = 0
         for check in self.checks:
             check.step(self.steps)

@@ -105,6 +105,7 @@ class CouplingCheck(RunCheck):
         self.last_batch = None
         self.states = None  # (torch, numpy, python) RNG states at the last batch's delivery, at a checked step
         self.call = None  # the model's last forward pass at a checked step (forward_replay.Call)
+        self.step_buffers = None  # the trained module's buffers when the last batch was delivered, at a checked step
         self.root: Optional[torch.nn.Module] = None
         self.handles: list = []
         self.compared = 0
@@ -155,6 +156,13 @@ class CouplingCheck(RunCheck):
         """Keep the batch (a reference) and, at a checked step, the RNG states its training step starts from."""
         self.last_batch, self.step_fn = batch, step_fn
         self.states = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if due else None
+        self.step_buffers = [b.detach().clone() for b in self._step_module().buffers()] if due else None
+
+    def _step_module(self) -> torch.nn.Module:
+        """The module whose buffers a training step may update: the module trained (the LightningModule), else the
+        model whose forward pass is hooked."""
+        module = self.run.module if self.run.module is not None else self.root
+        return getattr(module, "_module", module) if module is not None else torch.nn.Module()
 
     # ------------------------------------------------------------------ the replays
 
@@ -222,15 +230,23 @@ class CouplingCheck(RunCheck):
         if records_in(self.last_batch) != call.batch:
             self.skipped = "the model's batch is not the loader's (its rows cannot be matched to records)"
             return False
-        control = self._step(step_fn, self.last_batch, target, rows, call)
-        if control is None or not self._matches(control, call.outputs, call.grads):
-            self.skipped = self.skipped or "a replay of the training step does not give the recorded outputs and gradients"
-            return False
-        batch = replaced(self.last_batch, np.asarray(call.chosen), call.batch, self.rng)
-        changed = self._step(step_fn, batch, target, rows, call)
+        module = self._step_module()
+        post = [b.detach().clone() for b in module.buffers()]
+        try:
+            control = self._step(step_fn, self.last_batch, target, rows, call, module)
+            if control is None or not self._matches(control[:2], call.outputs, call.grads):
+                self.skipped = self.skipped or "a replay of the training step does not give the recorded outputs and gradients"
+                return False
+            batch = replaced(self.last_batch, np.asarray(call.chosen), call.batch, self.rng)
+            changed = self._step(step_fn, batch, target, rows, call, module)
+        finally:
+            with torch.no_grad():
+                for b, value in zip(module.buffers(), post):
+                    b.copy_(value)
         if changed is None:
             return False
-        outputs, grads = changed
+        self._buffers(module, post, control[2], changed[2], step)
+        outputs, grads, _ = changed
         if not all(j in outputs and same_rows(outputs[j], out) for j, out in call.outputs.items()):
             where = "what the training step does to the batch before the model"
         elif not all(j in grads and same_rows(grads[j], g) for j, g in call.grads.items()):
@@ -240,14 +256,14 @@ class CouplingCheck(RunCheck):
         return self._found(f"example {int(call.chosen[0])}'s gradient changes when the batch's other examples are replaced; "
                     f"it arises in {where}: per-example clipping then bounds nothing about one record", step)
 
-    def _step(self, step_fn, batch, target, rows, call):
-        """({leaf: chosen output rows}, {leaf: chosen rows of the loss's gradient}) of one training step, from the
-        states it started in; None if it gives no loss."""
+    def _step(self, step_fn, batch, target, rows, call, module):
+        """({leaf: chosen output rows}, {leaf: chosen rows of the loss's gradient}, `module`'s buffers after) of one
+        training step, from the states it started in; None if it gives no loss."""
         torch_state, numpy_state, python_state = self.states
         captured = []
         handle = target.register_forward_hook(lambda m, a, out: captured.append(out) if not captured else None)
         with torch.no_grad():
-            for b, value in zip(target.buffers(), call.buffers):
+            for b, value in zip(module.buffers(), self.step_buffers):
                 b.copy_(value)
         numpy_now, python_now = np.random.get_state(), random.getstate()
         try:
@@ -269,10 +285,10 @@ class CouplingCheck(RunCheck):
         grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
         outs = {j: leaf.detach()[rows] for j, leaf in wanted.items()}
         got = {j: (torch.zeros_like(leaf[rows]) if g is None else g.detach()[rows]) for (j, leaf), g in zip(wanted.items(), grads)}
-        return outs, got
+        return outs, got, [b.detach().clone() for b in module.buffers()]
 
     @staticmethod
-    def _matches(result, outputs, grads) -> bool:
+    def _matches(result, outputs, grads) -> bool:  # result: (outputs, gradients) of a replayed training step
         outs, got = result
         return (all(j in outs and same_rows(outs[j], o) for j, o in outputs.items())
                 and all(j in got and same_rows(got[j], g) for j, g in grads.items()))

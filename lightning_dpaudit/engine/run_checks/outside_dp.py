@@ -49,6 +49,7 @@ class OutsideDPCheck(RunCheck):
         if module is None:
             return
         covered = {id(p) for p in run.params}
+        module = getattr(module, "_module", module)  # a GradSampleModule's tensors by the model's own names
         named = [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
         others = []
         for optimizer in run.other_optimizers:

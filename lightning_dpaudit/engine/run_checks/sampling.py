@@ -150,8 +150,9 @@ class SamplingCheck(RunCheck):
         self.steps = step
 
     def records(self, records: int, step: int) -> None:
-        """The records of the step's batch (all its physical batches), from the loader."""
-        if self.sizes is not None and not self.found:
+        """The records of the step's batch (all its physical batches): from the loader, else the rows the optimizer
+        clipped (one per record when the rows check finds nothing)."""
+        if self.sizes is not None and not self.found and records:
             refuted = self.sizes.add(records)
             if refuted:
                 self._found(refuted, step)
