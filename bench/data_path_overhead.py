@@ -68,7 +68,7 @@ def dropout(batch_size: int, every: int):
     )
     auditor = PrivacyAuditor(optimizer, seed=0, per_sample_check_every=every)
     checked(auditor)
-    REPLAYS.append(auditor.per_sample_check.replayed)
+    REPLAYS.append(auditor.per_sample_check.replays)
     batches = [b for b in loader if len(b[0])]
     return optimizer, batches, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
 
