@@ -48,7 +48,7 @@ def main(steps: int, out: str, bug: str = None) -> None:
         from lightning_dpaudit import inject_bug
 
         inject_bug(optimizer, bug)
-    auditor = PrivacyAuditor(optimizer, module=model, seed=0)  # the same seed on every rank
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=0)  # the same seed on every rank
 
     done = 0
     while done < steps:

@@ -7,7 +7,9 @@ mesh over gloo); make_private with grad_sample_mode="ghost_fsdp" then returns an
 FSDPOptimizerFastGradientClipping and a criterion whose loss runs ghost clipping's two
 backward passes. Each rank clips its own samples, FSDP's reduce-scatter sums them into
 the rows each rank owns, and each rank adds the noise to its own rows. The data loader
-has a DistributedSampler, so the accountant's sample rate is that of the whole batch.
+has a DistributedSampler, so the accountant's sample rate is that of the whole batch;
+make_private returns it Poisson-sampled (Opacus's distributed sampler), and each rank
+iterates that loader and gives it to the auditor.
 Every rank builds the same PrivacyAuditor (same seed) and ends with the same result;
 rank 0 prints it and writes the report.
 
@@ -74,14 +76,13 @@ def main(steps: int, out: str, bug: str = None) -> None:
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         grad_sample_mode="ghost_fsdp",
-        poisson_sampling=False,
         noise_generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1),
     )
     if bug:
         from lightning_dpaudit import inject_bug
 
         inject_bug(optimizer, bug, module=model)
-    auditor = PrivacyAuditor(optimizer, seed=0)  # the same seed on every rank
+    auditor = PrivacyAuditor(optimizer, data_loader=loader, seed=0)  # the same seed on every rank
 
     done = 0
     while done < steps:

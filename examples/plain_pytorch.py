@@ -25,7 +25,7 @@ def main(steps: int) -> None:
         noise_multiplier=1.0,
         max_grad_norm=1.0,
     )
-    auditor = PrivacyAuditor(optimizer, delta=1e-5, module=model)  # the only added line
+    auditor = PrivacyAuditor(optimizer, delta=1e-5, module=model, data_loader=loader)  # the only added line
     loss_fn = torch.nn.CrossEntropyLoss()
     done = 0
     while done < steps:

@@ -420,3 +420,41 @@ def test_lightning_mixup_in_training_step_is_flagged(tmp_path):
     result, seen = _fit(tmp_path, Private(mixup=True), Digits(), steps=3)
     assert seen and _codes(result)[0] == ("coupled_examples", 1)
     assert "before the model" in result.findings[0].message
+
+
+def test_a_loop_over_another_loader_than_the_one_given_is_refuted_by_the_rows_it_clips():
+    model, optimizer, private_loader, _ = make_private_digits(seed=0)
+    shuffled = DataLoader(digits_dataset(), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=private_loader, seed=1)
+    _train(model, optimizer, shuffled, 30)
+    result = auditor.result()
+    assert _codes(result)[0][0] == "sampling" and "pairs of consecutive batches have equal sizes" in result.findings[0].message
+    assert "rows per record (not compared: no loader seen)" in result.pipeline
+
+
+def test_a_running_mean_is_outside_dp_and_opacus_is_not_blamed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), RunningMean(64), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    model, optimizer, loader = _private(model, digits_dataset())
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 3)
+    codes = [c for c, _ in _codes(auditor.result())]
+    assert codes[0] == "outside_dp" and "per_sample_gradients" not in codes  # replayed from the buffers as they were
+
+
+class LabelPrior(Private):
+    """Keeps a running prior of the labels in training_step: a statistic of the data, released with the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("prior", torch.full((10,), 0.1))
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.prior.mul_(0.9).add_(0.1 * torch.bincount(batch[1], minlength=10) / len(batch[1]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_lightning_a_buffer_updated_in_training_step_is_outside_dp(tmp_path):
+    result, seen = _fit(tmp_path, LabelPrior(), Digits(), steps=3)
+    assert seen and _codes(result)[0] == ("outside_dp", 1) and "`prior`" in result.findings[0].message

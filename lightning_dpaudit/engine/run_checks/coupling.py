@@ -85,6 +85,13 @@ class ModuleRows:
             h.remove()
 
 
+def _synchronising(module: torch.nn.Module) -> bool:
+    """A data-parallel wrapper whose forward pass talks to the other ranks (DDP, Opacus's DPDDP)."""
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
+
+    return isinstance(module, (torch.nn.parallel.DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel))
+
+
 def origin(control: list, changed: list) -> Optional[str]:
     """The first module whose output rows differ between the two replays while its input rows did not."""
     for (name, ins_a, out_a), (name_b, ins_b, out_b) in zip(control, changed):
@@ -121,10 +128,11 @@ class CouplingCheck(RunCheck):
         self.due, self.busy, self.depth = due, busy, 0
         target = smallest_module_holding(root, self.run.params)
         name = next(n for n, m in root.named_modules() if m is target)
-        for outer, module in root.named_modules():
-            if outer == "" or name == outer or name.startswith(outer + "."):
-                self.handles += [module.register_forward_pre_hook(self._before, with_kwargs=True),
-                                 module.register_forward_hook(self._after, with_kwargs=True)]
+        chain = [m for outer, m in root.named_modules() if outer == "" or name == outer or name.startswith(outer + ".")]
+        wrappers = [i for i, m in enumerate(chain) if _synchronising(m)]
+        for module in chain[wrappers[-1] + 1 if wrappers else 0:]:  # a replay never runs a wrapper's collectives
+            self.handles += [module.register_forward_pre_hook(self._before, with_kwargs=True),
+                             module.register_forward_hook(self._after, with_kwargs=True)]
 
     def _before(self, module, args, kwargs):
         self.depth += 1
@@ -195,11 +203,11 @@ class CouplingCheck(RunCheck):
                 return self._found(f"example {int(keep[0])}'s output changes when the batch's other examples are "
                                    f"replaced, {place}: its gradient depends on other records (statistics over the "
                                    "batch, inputs mixed across it), so clipping it bounds nothing about one record", step)
-            return self._training_step(call, target, rows, step)
         finally:
             with torch.no_grad():
                 for b, value in zip(target.buffers(), post):
                     b.copy_(value)
+        return self._training_step(call, target, rows, step)  # from the buffers as the real step left them
 
     def _forward(self, call, target, forward, inputs, pre, rows):
         """(output leaves, module rows, buffers after) of one forward pass of the target from the buffers `pre`."""

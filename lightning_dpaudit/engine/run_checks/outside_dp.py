@@ -1,7 +1,10 @@
 """Everything trained is private: no tensor of the module learns from the data outside the DP optimizer.
 
-optimizers   a tensor of the module held by another optimizer of the run (the Trainer's other
-             optimizers): trained without noise. Certain at attach: finding `outside_dp`.
+optimizers   a tensor held by another optimizer of the run (the Trainer's other optimizers, or
+             `other_optimizers=`), the module's or not (a loss's own temperature): trained without
+             noise. Certain at attach: finding `outside_dp`. The check cannot tell what those gradients
+             came from: a generator trained only through a DP discriminator (a DP-GAN), which is
+             post-processing, is flagged too.
 parameters   a tensor of the module that requires grad and that the DP optimizer does not hold is
              watched: its fingerprint (sum, sum of squares and a fixed random projection, float64)
              is taken at attach and compared at steps 1, 2 and every WATCH_EVERY steps. A change
@@ -46,17 +49,16 @@ class OutsideDPCheck(RunCheck):
     def attach(self, run) -> None:
         super().attach(run)
         module = run.module
-        if module is None:
-            return
         covered = {id(p) for p in run.params}
         module = getattr(module, "_module", module)  # a GradSampleModule's tensors by the model's own names
-        named = [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
+        named = [] if module is None else [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
+        names = {id(p): n for n, p in named}
         others = []
-        for optimizer in run.other_optimizers:
-            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            names = [n for n, p in named if id(p) in held]
-            if names:
-                others.append((type(optimizer).__name__, names))
+        for optimizer in run.other_optimizers:  # every tensor they hold, the module's or not (a loss's own, ...)
+            held = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in covered]
+            if held:
+                others.append((type(optimizer).__name__, [names.get(id(p), f"a tensor of shape {tuple(p.shape)}")
+                                                          for p in held]))
         if others:
             said = "; ".join(f"{listed(names)} by {kind}" for kind, names in others)
             self._found(f"tensors of the module are trained by another optimizer than the DP optimizer, without noise "
