@@ -21,14 +21,15 @@ TRAIN = 512  # examples; batch 64 -> 8 steps per epoch
 
 
 class Digits(pl.LightningDataModule):
-    def __init__(self, shuffle=True):
+    def __init__(self, shuffle=True, poisson=True):
         super().__init__()
-        self.shuffle = shuffle
+        self.shuffle, self.poisson = shuffle, poisson
 
     def train_dataloader(self):
         generator = torch.Generator().manual_seed(0)
         loader = DataLoader(Subset(digits_dataset(), range(TRAIN)), batch_size=64, shuffle=self.shuffle, generator=generator)
-        return DPDataLoader.from_data_loader(loader) if self.shuffle else loader  # Poisson sampling, as the accountant assumes
+        poisson = self.shuffle and self.poisson  # Poisson sampling, as the accountant assumes
+        return DPDataLoader.from_data_loader(loader) if poisson else loader
 
 
 class Private(pl.LightningModule):

@@ -11,6 +11,8 @@ from lightning_dpaudit import DPAuditCallback
 from lightning_dpaudit.analysis.report import summary_table
 from lightning_dpaudit.analysis.report_reading import load_report
 from lightning_dpaudit.engine.final_model import FinalModelCanaries
+from opacus.lightning import DPLightningDataModule
+
 from lightning_dpaudit.integrations.final_model_data import CanaryDataModule
 
 from test_callback import Digits, Private, _fit
@@ -29,7 +31,7 @@ def _canaries(seed=None):
 
 def _run(tmp_path, canaries, *, steps, every=None, logger=None, ckpt_path=None, trainer_kwargs=None):
     callback = DPAuditCallback(log_every_n_steps=8, seed=0, final_model_canaries=canaries, final_model_every_n_epochs=every)
-    trainer = _fit(tmp_path, steps=steps, callback=callback, logger=logger, module=Scored(), datamodule=CanaryDataModule(Digits(), canaries),
+    trainer = _fit(tmp_path, steps=steps, callback=callback, logger=logger, module=Scored(), datamodule=DPLightningDataModule(CanaryDataModule(Digits(poisson=False), canaries)),
                    ckpt_path=ckpt_path, **(trainer_kwargs or {}))
     return trainer, callback
 
@@ -79,7 +81,7 @@ def test_the_checkpoint_carries_the_secret_inclusion_and_the_start_losses(tmp_pa
 def test_a_module_without_forward_is_named(tmp_path):
     callback = DPAuditCallback(seed=0, final_model_canaries=_canaries(seed=1))
     with pytest.raises(ValueError, match="Private defines none: add forward"):
-        _fit(tmp_path, steps=2, callback=callback, module=Private(), datamodule=CanaryDataModule(Digits(), callback.final_model.canaries))
+        _fit(tmp_path, steps=2, callback=callback, module=Private(), datamodule=DPLightningDataModule(CanaryDataModule(Digits(poisson=False), callback.final_model.canaries)))
 
 
 def test_the_callback_refuses_what_is_not_a_final_model_canaries():

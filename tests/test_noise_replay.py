@@ -23,8 +23,8 @@ def _private(seed=0):
     data = torch.utils.data.TensorDataset(torch.randn(256, 32), torch.randint(0, 10, (256,)))
     model, opt, loader = PrivacyEngine().make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=16), noise_multiplier=1.0, max_grad_norm=1.0,
-        poisson_sampling=False, noise_generator=torch.Generator().manual_seed(NOISE_SEED),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=16, generator=torch.Generator().manual_seed(1)),
+        noise_multiplier=1.0, max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(NOISE_SEED),
     )
     return model, opt, loader
 

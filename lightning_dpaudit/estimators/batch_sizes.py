@@ -59,7 +59,9 @@ class BatchSizeTest:
             return None
         first, self.pending = self.pending, None
         self.pairs += 1
-        self.equal += int(first == size)
+        if first != size:  # P(Binomial(n, p) >= K) grows with n at a fixed K: an unequal pair refutes nothing
+            return None
+        self.equal += 1
         level = self.alpha / (self.pairs * (self.pairs + 1))
         p_value = float(binom.sf(self.equal - 1, self.pairs, self.p_equal))
         if p_value <= level:

@@ -78,7 +78,7 @@ class RunChecks:
         self._watch_model()
         records = records_in(batch)
         self.records = None if records is None or self.records is None else self.records + records
-        self.sampling.batch(batch)
+        self.sampling.batch(batch, records)
         self.multiplicity.batch_records(records)
         self.coupling.batch(batch, step_fn, due=self.due(self.steps))
 
@@ -87,6 +87,8 @@ class RunChecks:
         self.multiplicity.accumulated()
 
     def _watch_model(self) -> None:
+        if self.coupling.handles:  # hooked once, when the model is first known
+            return
         model = self.view.gradient_module()
         self.coupling.watch(getattr(model, "_module", model), lambda: self.due(self.steps), self.busy)
 

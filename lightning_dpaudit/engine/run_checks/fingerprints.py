@@ -1,8 +1,8 @@
 """Fingerprints of the batches the loader delivers, for repeats across steps and duplicates within a batch.
 
-Each row r of a batch (all its tensors whose leading size is the batch's) is projected on two
-fixed random vectors drawn from the audit's own generator: h(r) = (<r, u>, <r, v>) in float64
-(at most 65,536 coordinates of each tensor, fixed per width). Equal rows give equal
+Each row r of a batch (of its widest tensor whose leading size is the batch's: the inputs) is
+projected on two fixed random vectors drawn from the audit's own generator: h(r) = (<r, u>, <r, v>)
+in float64 (at most 65,536 coordinates, fixed per width). Equal rows give equal
 projections; a batch's fingerprint is a 128-bit digest of its rows' sorted projections, so it
 does not depend on the rows' order. The projections stay on the device and move to the host
 every `FLUSH` batches (no synchronisation on the other steps). Memory: one 16-byte digest per
@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from .base import records_in, rows_of
+from .base import rows_of
 
 WIDTH = 65_536  # coordinates of a tensor's row that are projected
 FLUSH = 8  # batches whose projections wait on the device
@@ -41,21 +41,16 @@ class BatchPrints:
         self.directions: Dict[tuple, tuple] = {}
         self.pending: List[tuple] = []  # (step, records, projections on the device)
 
-    def add(self, batch, step: int) -> None:
-        records = records_in(batch)
+    def add(self, batch, step: int, records: Optional[int]) -> None:
+        """A batch of `records` records (records_in) delivered for `step`."""
         if not records:
             return
-        self.pending.append((step, records, self._project(rows_of(batch, records), records)))
+        widest = max(rows_of(batch, records), key=lambda t: t[0].numel())
+        self.pending.append((step, records, self._project(widest.detach().reshape(records, -1))))
 
-    def _project(self, tensors, records: int) -> torch.Tensor:
-        total = None
-        for t in tensors:
-            flat = t.detach().reshape(records, -1)
-            picked, u = self._direction(flat.shape[1], flat.device)
-            rows = flat if picked is None else flat[:, picked]
-            part = rows.to(torch.float64) @ u
-            total = part if total is None else total + part
-        return total
+    def _project(self, flat: torch.Tensor) -> torch.Tensor:
+        picked, u = self._direction(flat.shape[1], flat.device)
+        return (flat if picked is None else flat[:, picked]).to(torch.float64) @ u
 
     def _direction(self, width: int, device) -> tuple:
         key = (width, str(device))

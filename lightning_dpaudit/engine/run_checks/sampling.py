@@ -140,9 +140,9 @@ class SamplingCheck(RunCheck):
             return math.inf if self.kind in ("replacement", "weighted") else math.nan
         return shuffled_epsilon(self.run.accountant, self.steps, self.batches_per_epoch, self.delta)
 
-    def batch(self, batch) -> None:
+    def batch(self, batch, records: Optional[int] = None) -> None:
         self.seen_batches += 1
-        self.prints.add(batch, self.steps + 1)
+        self.prints.add(batch, self.steps + 1, records)
         if self.prints.due():
             self._read_prints()
 
