@@ -72,12 +72,17 @@ def first_gradient(call: Call, j: int, rows: torch.Tensor):
 
 
 def smallest_module_holding(module: torch.nn.Module, params) -> torch.nn.Module:
-    """The deepest submodule of `module` whose parameters include every tensor of `params`."""
+    """The deepest submodule of `module` that holds every module using a tensor of `params` as its own.
+
+    A tensor shared by two modules (an embedding tied to the output layer) is used by both: the replay must run
+    both, so the module holding it once (the embedding's parent) is not enough."""
     wanted = {id(p) for p in params}
+    users = {id(m) for _, m in module.named_modules(remove_duplicate=False)
+             if any(id(p) in wanted for p in m.parameters(recurse=False))}
     best, depth = module, 0
     for name, m in module.named_modules():
         d = 0 if not name else name.count(".") + 1
-        if d > depth and wanted <= {id(p) for p in m.parameters()}:
+        if d > depth and users <= {id(sub) for _, sub in m.named_modules(remove_duplicate=False)}:
             best, depth = m, d
     return best
 

@@ -1,0 +1,108 @@
+"""The exact per-sample check on model shapes people train: an embedding tied to the output layer, and outputs
+holding several tensors, one computed from another (as encoder-decoder models return). Opacus's per-sample
+gradients are right on both; the check must agree, in every grad_sample_mode, and still catch a wrong one.
+Deterministic (fixed seeds); no false-failure rate."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from opacus import GradSampleModule, PrivacyEngine
+from torch import nn
+
+from lightning_dpaudit import PrivacyAuditor
+
+warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+
+
+class TiedLanguageModel(nn.Module):
+    """Token embedding, a mixing layer, and an output layer sharing the embedding's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.body[0].weight
+
+    def forward(self, tokens):
+        return self.head(self.body(tokens)).mean(dim=1)
+
+
+class EncoderDecoder(nn.Module):
+    """Returns a dict whose logits are decoded from the hidden state it also returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.encoder(x))
+        return {"logits": self.decoder(hidden), "hidden": hidden}
+
+
+def _run(model, inputs, loss, mode, steps=3):
+    torch.manual_seed(0)
+    labels = torch.randint(0, 3, (len(inputs),))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=32,
+                                         generator=torch.Generator().manual_seed(0))
+    model, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader, noise_multiplier=1.0,
+        max_grad_norm=1.0, grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(1))
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=0, per_sample_check_every=1,
+                             per_sample_check_budget=1.0)
+    for done, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        loss(model(x), y).backward()
+        optimizer.step()
+        if done + 1 == steps:
+            break
+    return auditor
+
+
+def _tokens():
+    return torch.randint(0, 50, (256, 6), generator=torch.Generator().manual_seed(2))
+
+
+def _features():
+    return torch.randn(256, 8, generator=torch.Generator().manual_seed(2))
+
+
+def _lm_loss(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+def _both(out, y):
+    return nn.functional.cross_entropy(out["logits"], y) + out["hidden"].pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+def test_an_embedding_tied_to_the_output_layer_is_replayed_whole(mode):
+    auditor = _run(TiedLanguageModel(), _tokens(), _lm_loss, mode)
+    result = auditor.result()
+    assert not result.violation, [f.message for f in result.findings]
+    assert auditor.per_sample_check.checked == 2  # compared, not skipped
+
+
+@pytest.mark.parametrize("loss", [lambda out, y: nn.functional.cross_entropy(out["logits"], y), _both])
+def test_outputs_computed_from_one_another_count_each_gradient_once(loss):
+    auditor = _run(EncoderDecoder(), _features(), loss, "hooks")
+    result = auditor.result()
+    assert not result.violation, [f.message for f in result.findings]
+    assert auditor.per_sample_check.checked == 2
+
+
+def test_a_wrong_per_sample_gradient_of_a_tied_weight_is_still_named(monkeypatch):
+    samplers = dict(GradSampleModule.GRAD_SAMPLERS)
+    original = samplers[nn.Linear]
+
+    def halved(layer, activations, backprops):
+        grads = original(layer, activations, backprops)
+        return {p: g * 0.5 if p is layer.weight else g for p, g in grads.items()}
+
+    samplers[nn.Linear] = halved
+    monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
+    result = _run(TiedLanguageModel(), _tokens(), _lm_loss, "hooks").result()
+    assert result.violation and result.findings[0].code == "per_sample_gradients"
