@@ -49,7 +49,8 @@ def _run(model, inputs, loss, mode, steps=3):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=32,
                                          generator=torch.Generator().manual_seed(0))
     model, optimizer, loader = PrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader, noise_multiplier=1.0,
+        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=loader, noise_multiplier=1.0,
         max_grad_norm=1.0, grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(1))
     auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=0, per_sample_check_every=1,
                              per_sample_check_budget=1.0)
@@ -106,3 +107,32 @@ def test_a_wrong_per_sample_gradient_of_a_tied_weight_is_still_named(monkeypatch
     monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
     result = _run(TiedLanguageModel(), _tokens(), _lm_loss, "hooks").result()
     assert result.violation and result.findings[0].code == "per_sample_gradients"
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.adapter = nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return torch.tanh(self.frozen(x) + self.adapter(x))
+
+
+class Adapted(nn.Module):
+    """Trainable adapters in every block of a ModuleList (which never runs a forward pass of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.out = nn.ModuleList([Block(), Block()]), nn.Linear(8, 3)
+        self.out.requires_grad_(False)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def test_adapters_spread_over_a_module_list_are_compared():
+    auditor = _run(Adapted(), _features(), _lm_loss, "hooks")
+    assert not auditor.result().violation and auditor.per_sample_check.checked == 2

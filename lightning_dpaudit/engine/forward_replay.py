@@ -75,15 +75,20 @@ def smallest_module_holding(module: torch.nn.Module, params) -> torch.nn.Module:
     """The deepest submodule of `module` that holds every module using a tensor of `params` as its own.
 
     A tensor shared by two modules (an embedding tied to the output layer) is used by both: the replay must run
-    both, so the module holding it once (the embedding's parent) is not enough."""
+    both, so the module holding it once (the embedding's parent) is not enough. A ModuleList or ModuleDict never
+    runs a forward pass of its own (adapters spread over a model's blocks): its parent is taken instead."""
     wanted = {id(p) for p in params}
     users = {id(m) for _, m in module.named_modules(remove_duplicate=False)
              if any(id(p) in wanted for p in m.parameters(recurse=False))}
-    best, depth = module, 0
+    best, found = module, ""
     for name, m in module.named_modules():
-        d = 0 if not name else name.count(".") + 1
-        if d > depth and users <= {id(sub) for _, sub in m.named_modules(remove_duplicate=False)}:
-            best, depth = m, d
+        if name.count(".") + 1 > (found.count(".") + 1 if found else 0) and \
+                users <= {id(sub) for _, sub in m.named_modules(remove_duplicate=False)}:
+            best, found = m, name
+    modules = dict(module.named_modules())
+    while found and isinstance(best, (torch.nn.ModuleList, torch.nn.ModuleDict)):  # containers never run forward
+        found = found.rsplit(".", 1)[0] if "." in found else ""
+        best = modules[found]
     return best
 
 
