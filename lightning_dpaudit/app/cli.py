@@ -1,7 +1,10 @@
 """The `dpaudit` command: `dpaudit demo` trains and audits; `dpaudit report DIR` summarizes.
 
-`dpaudit report` exits with 0 when the report is OK, VIOLATION_EXIT (3) when it records a
-violation, 1 when there is no report or it is damaged, and 2 for a bad argument: a CI gate.
+`dpaudit report DIR` is a CI gate over every audit_report.json at or below DIR (`--latest`: the
+newest alone). Each report's status: 0 when it is OK, VIOLATION_EXIT (3) when it records a
+violation, FAILED_EXIT (4) when the audit failed (its record is incomplete), 1 when it is damaged;
+the command exits with the worst of them (WORST_FIRST), 1 when there is no report, 2 for a bad
+argument.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ GRADIENT_CANARIES = ("dirac", "constant", "random")
 INPUT_CANARIES = ("mislabeled", "blank", "adversarial", "crafted")
 FINAL_MODEL_CANARIES = ("ood", "mislabeled", "blank", "crafted")  # final_model.FINAL_MODEL_KINDS
 VIOLATION_EXIT = 3  # `dpaudit report` on a report that records a violation
+FAILED_EXIT = 4  # `dpaudit report` on a report whose audit failed: its record is incomplete
+DAMAGED_EXIT = 1  # `dpaudit report` with no report, or a damaged one
+# The statuses of several reports, worst first: the command exits with the first that any report has. A
+# violation is a leak the numbers prove (even from an incomplete record), so it outranks everything; a failed
+# audit proves that part of the run went unaudited, so its OK verdict stands on nothing; a damaged report says
+# nothing about its run, but it does not vouch for it either; 0 only when every report is OK.
+WORST_FIRST = (VIOLATION_EXIT, FAILED_EXIT, DAMAGED_EXIT, 0)
 
 
 def _demo(args) -> int:
@@ -28,8 +38,9 @@ def _demo(args) -> int:
         for name, description in BUGS.items():
             print(f"{name:24s} {description}")
         return 0
-    if args.bug and args.bug not in BUGS:
-        print(f"unknown bug {args.bug!r}; `dpaudit demo --list-bugs` lists: {', '.join(BUGS)}", file=sys.stderr)
+    if args.bug is not None and args.bug not in BUGS:  # "" too: an empty name is no bug of the zoo
+        print(f"dpaudit demo: Unexpected value for `--bug`: unknown bug {args.bug!r}; use one of {', '.join(BUGS)} "
+              "(`dpaudit demo --list-bugs` describes them)", file=sys.stderr)
         return 2
     from .demo import demo_plan, run_demo
 
@@ -69,29 +80,50 @@ def _demo(args) -> int:
 
 
 def _report(args) -> int:
-    """Print the latest report's summary. Exit status 0 (OK), VIOLATION_EXIT (3), 1 when there is no report or
-    load_report refuses it (damaged, foreign, NaN or out-of-range numbers, a verdict its numbers contradict:
-    the message names the field), 2 when the directory is not one."""
-    from ..analysis.report import summary_table
-    from ..analysis.report_reading import ReportError, load_report
-
+    """Gate on every report at or below the directory (the newest alone with --latest): print each one's path, summary
+    and verdict, and exit with the worst status (WORST_FIRST): VIOLATION_EXIT (3), FAILED_EXIT (4), 1 when there is
+    no report or load_report refuses one (damaged, foreign, NaN or out-of-range numbers, a verdict its numbers
+    contradict: the message names the field), 0 when every report is OK; 2 when the directory is not one."""
     directory = Path(args.directory)
     if not directory.is_dir():
         print(f"dpaudit report: {directory} is not a directory", file=sys.stderr)
         return 2
-    reports = sorted(directory.rglob("audit_report.json"), key=lambda p: p.stat().st_mtime)
+    reports = sorted(directory.rglob("audit_report.json"), key=lambda p: (p.stat().st_mtime, str(p)))
     if not reports:
         print(f"no audit_report.json in {directory} or below it", file=sys.stderr)
-        return 1
-    latest = reports[-1].parent  # the most recent audit at or below the directory
+        return DAMAGED_EXIT
+    if args.latest:
+        reports = reports[-1:]  # the most recent audit at or below the directory
+    statuses = []
+    for number, path in enumerate(reports):
+        if number:
+            print()
+        statuses.append(_gate_one(path.parent))
+    if len(statuses) > 1:
+        counts = {status: statuses.count(status) for status in WORST_FIRST if status in statuses}
+        names = {VIOLATION_EXIT: "violation", FAILED_EXIT: "audit failed", DAMAGED_EXIT: "damaged", 0: "OK"}
+        print(f"\n{len(statuses)} reports: " + ", ".join(f"{n} {names[status]}" for status, n in counts.items()))
+    return next(status for status in WORST_FIRST if status in statuses)
+
+
+def _gate_one(run: Path) -> int:
+    """One report's path line, summary and verdict; its status (0, VIOLATION_EXIT, FAILED_EXIT or DAMAGED_EXIT)."""
+    from ..analysis.report import summary_table
+    from ..analysis.report_reading import ReportError, load_report
+
     try:
-        report = load_report(latest)
+        report = load_report(run)
     except ReportError as error:
         print(f"dpaudit report: {error}", file=sys.stderr)
-        return 1
-    print(f"audit report in {latest}")
+        return DAMAGED_EXIT
+    print(f"audit report in {run}")
     print(summary_table(report))
-    return VIOLATION_EXIT if report["result"]["violation"] else 0
+    failed = report["result"].get("audit_failed")
+    if failed is not None:
+        print(f"the audit failed: its record is incomplete ({failed})")
+    if report["result"]["violation"]:
+        return VIOLATION_EXIT  # the stronger claim, even with a failure
+    return FAILED_EXIT if failed is not None else 0
 
 
 def _at_least(minimum: int, maximum: Optional[int] = None, why: str = ""):
@@ -146,6 +178,11 @@ def _check_demo_flags(parser: argparse.ArgumentParser, args) -> None:
                          f"use an integer in [2, {most}]")
 
 
+# The smallest noise multiplier the demo takes: the audit claims mu = 1 / sigma per step, and a claim must be a
+# finite number (below 1 / 1e-300 = 1e300 it is one, with room for the products the estimators take of it).
+MIN_NOISE_MULTIPLIER = 1e-300
+
+
 def _positive_real(text: str) -> float:
     try:
         value = float(text)
@@ -153,6 +190,10 @@ def _positive_real(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not (value > 0 and value < float("inf")):
         raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    if value < MIN_NOISE_MULTIPLIER:
+        raise argparse.ArgumentTypeError(
+            f"{text} is below {MIN_NOISE_MULTIPLIER:g}: the claimed mu = 1 / {text} is beyond the float range; "
+            f"use a finite number >= {MIN_NOISE_MULTIPLIER:g}")
     return value
 
 
@@ -217,11 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo, check=_check_demo_flags, parser=demo)
     report = commands.add_parser(
-        "report", help="print the summary of a finished audit; exit status 0 if OK, 3 on a violation, 1 if damaged",
-        description="Print the summary of the most recent audit report at or below DIRECTORY. Exit status: 0 when "
-        "the audit is OK, 3 when it records a violation, 1 when there is no report or it is damaged, 2 for a bad argument.",
+        "report", help="gate on the finished audits under a directory; exit status 0 if all are OK, 3 on a violation, "
+        "4 if an audit failed, 1 if a report is missing or damaged",
+        description="Print the summary and verdict of every audit report (audit_report.json) at or below DIRECTORY, "
+        "or of the most recent one with --latest. Exit status, the worst over the reports: 3 when one records a "
+        "violation, 4 when an audit failed (its record is incomplete), 1 when there is no report or one is damaged, "
+        "0 when every one is OK; 2 for a bad argument.",
     )
     report.add_argument("directory", help="a run's log directory (or a folder above it)")
+    report.add_argument("--latest", action="store_true",
+                        help="gate on the most recent report at or below DIRECTORY alone (by modification time)")
     report.set_defaults(run=_report)
     return parser
 

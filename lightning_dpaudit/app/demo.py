@@ -28,6 +28,7 @@ from pytorch_lightning.callbacks import ProgressBar
 from torch.utils.data import DataLoader, random_split
 
 from ..integrations.digits import DigitsCNN, digits_dataset
+from .cli import MIN_NOISE_MULTIPLIER
 
 TRAIN = 1500  # of the 1,797 digits; the other 297 validate and supply input canaries
 
@@ -241,8 +242,14 @@ def run_demo(
             "scored by the audit's callback: pass audit=True or final_model=None"
         )
 
+    from ..integrations.bugs import BUGS
     from ..integrations.callback import DPAuditCallback
 
+    if bug is not None and bug not in BUGS:  # "" too: an empty name is no bug of the zoo
+        raise ValueError(f"Unexpected value for `bug`: {bug!r}; use None (no bug) or one of {', '.join(BUGS)}")
+    if not (isinstance(noise_multiplier, (int, float)) and MIN_NOISE_MULTIPLIER <= noise_multiplier < math.inf):
+        raise ValueError(f"Unexpected value for `noise_multiplier`: {noise_multiplier!r}; use a finite number >= "
+                         f"{MIN_NOISE_MULTIPLIER:g} (the audit claims mu = 1 / noise_multiplier, a finite number)")
     plan = demo_plan(canary, steps, canaries_per_step)
     steps = plan["steps"]
     options = {"canaries_per_step": plan["canaries_per_step"]}

@@ -25,11 +25,26 @@ from ..engine.kinds.input_canaries import INPUT_KINDS, InputCanaries
 HOLDOUT = 256  # digits left out of training for input canaries
 from ..analysis.results import AuditResult
 
-__all__ = ["BUGS", "PrivacyAuditFailure", "audit_optimizer", "inject_bug", "list_bugs", "train_audited"]
+__all__ = ["BUGS", "AuditIncomplete", "PrivacyAuditFailure", "audit_optimizer", "inject_bug", "list_bugs", "train_audited"]
 
 
 class PrivacyAuditFailure(AssertionError):
     """The audited optimizer leaked more than its noise multiplier claims."""
+
+
+class AuditIncomplete(PrivacyAuditFailure):
+    """The audit itself failed during training (its result's `audit_failed`): what it saw stops there or is
+    incomplete, so its verdict cannot pass a test. `result` is the AuditResult as far as it goes."""
+
+    def __init__(self, message: str, result: AuditResult):
+        super().__init__(message)
+        self.result = result
+
+
+def _incomplete(label: str, result: AuditResult) -> AuditIncomplete:
+    return AuditIncomplete(
+        f"{label}: the audit failed ({result.audit_failed}) after {result.steps} step(s): its record is incomplete, "
+        "so it neither shows a leak nor vouches for the optimizer", result)
 
 
 def train_audited(
@@ -58,7 +73,8 @@ def train_audited(
     last HOLDOUT digits, left out of training, as their in-distribution sample. The audit
     checks after every step unless `check_every` is given: a test wants the step at which
     a bug shows itself (and training stops there with stop_on_violation). private_options go to
-    Opacus's make_private (e.g. ``{"grad_sample_mode": "functorch"}``).
+    Opacus's make_private (e.g. ``{"grad_sample_mode": "functorch"}``). Raises AuditIncomplete
+    (a PrivacyAuditFailure, holding the result as `result`) when the audit itself failed.
     """
     canary = auditor_options.get("canary")
     if (isinstance(canary, InputCanaries) or canary in INPUT_KINDS) and "canary_inputs" not in auditor_options:
@@ -80,6 +96,7 @@ def train_audited(
     violated = []
     auditor_options.setdefault("seed", seed)
     auditor_options.setdefault("check_every", 1)
+    auditor_options.setdefault("data_loader", loader)  # the run checks see the loader the loop iterates
     auditor = PrivacyAuditor(optimizer, module=model, on_violation=violated.append, **auditor_options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook.*")
@@ -90,6 +107,8 @@ def train_audited(
         )
     result = auditor.result()
     auditor.detach()
+    if result.audit_failed is not None:
+        raise _incomplete("train_audited", result)
     return (result, auditor.observations()) if return_observations else result
 
 
@@ -123,7 +142,9 @@ def audit_optimizer(
     """Audit `optimizer_class` (a DPOptimizer subclass) or a bug-zoo `bug` on the digits CNN.
 
     Raises PrivacyAuditFailure with the numbers when the audit finds a leak (or, with
-    expect_violation=True, when it does not). Returns the AuditResult otherwise.
+    expect_violation=True, when it does not), and AuditIncomplete (a PrivacyAuditFailure) when the
+    audit itself failed (a leak found before the failure is reported as a leak). Returns the
+    AuditResult otherwise.
     """
     if optimizer_class is not None and bug is not None:
         raise ValueError("pass either `optimizer_class` or `bug`, not both")
@@ -135,9 +156,14 @@ def audit_optimizer(
         label = optimizer_class.__name__
     else:
         transform, label = None, "opacus DPOptimizer"
-    result = train_audited(
-        steps=steps, noise_multiplier=noise_multiplier, transform=transform, stop_on_violation=True, **options
-    )
+    try:
+        result = train_audited(
+            steps=steps, noise_multiplier=noise_multiplier, transform=transform, stop_on_violation=True, **options
+        )
+    except AuditIncomplete as error:
+        if error.result.violation and not expect_violation:  # a leak proven before the failure: the stronger claim
+            raise PrivacyAuditFailure(_failure_message(label, error.result, expect_violation)) from None
+        raise _incomplete(label, error.result) from None
     if result.violation != expect_violation:
         raise PrivacyAuditFailure(_failure_message(label, result, expect_violation))
     return result
@@ -152,4 +178,5 @@ def _failure_message(label: str, r: AuditResult, expected: bool) -> str:
         f"vs accountant {r.epsilon_accountant:.3g}; violating: {layers}; steps {r.steps}; "
         f"first alarm at step {r.first_violation_step}"
         + "".join(f"\n  - {f.code}: {f.message}" for f in r.findings)
+        + (f"\n  the audit failed afterwards ({r.audit_failed}): its record is incomplete" if r.audit_failed else "")
     )
