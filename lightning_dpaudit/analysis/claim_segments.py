@@ -77,10 +77,18 @@ def _distinct_segments(state, ctx):
     return None
 
 
-# The whole monitor: the first segment's state at the top level (as an unsegmented monitor saves it), later ones in a list.
+# Later segments a state may hold. Segments hold distinct claims at least 1% apart in some group (claim_key), and
+# a schedule that moves back returns to its earlier segments: 4,096 segments of one group's claim span a factor
+# 1.01^4096 = 5e17 in its noise multiplier or clipping bound, far beyond any schedule that trains. Each segment's
+# monitor is also tested at every check, so a run with that many would spend its time there.
+MAX_SEGMENTS = 4096
+
+# The whole monitor: the first segment's state at the top level (as an unsegmented monitor saves it), later ones in a
+# list. An audit state of format 2 holds every field (since=2); a 0.1.0 state has the first segment's alone.
 SEGMENTED = Section(
-    "monitor", *MONITOR.fields, Field("claims", "map", rule=CLAIMS.rule, items=CLAIMS.items, optional=True),
-    Field("segments", "list", items=SEGMENT, optional=True), Field("current", "int", low=0, optional=True),
+    "monitor", *MONITOR.fields, Field("claims", "map", rule=CLAIMS.rule, items=CLAIMS.items, optional=True, since=2),
+    Field("segments", "list", items=SEGMENT, optional=True, since=2, most=MAX_SEGMENTS),
+    Field("current", "int", low=0, optional=True, since=2),
     rules=(_opening_claims, _distinct_segments),
 )
 

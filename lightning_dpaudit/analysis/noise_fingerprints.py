@@ -75,11 +75,12 @@ _MIN_SLOTS = 1024
 
 
 def _pair_field(name: str) -> Field:
-    return Field(name, "list", null=True, optional=True, items=Field("step", "int", low=0),
+    return Field(name, "list", null=True, optional=True, since=2, items=Field("step", "int", low=0), most=2,
                  rule=lambda v, ctx: None if len(v) == 2 else f"is {list(v)!r}; expected (step, earlier step)")
 
 
-# The noise-repeat test's state (`load_state_dict` reads a state FINGERPRINTS.check passed).
+# The noise-repeat test's state (`load_state_dict` reads a state FINGERPRINTS.check passed). An audit state of
+# format 2 holds every field (since=2); the optional ones are absent only from 0.1.0 states.
 FINGERPRINTS = Section(
     "fingerprints",
     Field("bits", "int", low=64, rule=lambda v, ctx: None if v == ctx.get("sentinels", v) else
@@ -87,9 +88,9 @@ FINGERPRINTS = Section(
     Field("alpha", "real", low=0.0, high=1.0),
     Field("fingerprints", "array", dtype="int", low=0),
     Field("step_runs", "array", dtype="int"),
-    Field("matches", "int", low=0, optional=True),
+    Field("matches", "int", low=0, optional=True, since=2),
     _pair_field("first_repeat"), _pair_field("last_repeat"),
-    Field("first_negated", "bool", optional=True), Field("last_negated", "bool", optional=True),
+    Field("first_negated", "bool", optional=True, since=2), Field("last_negated", "bool", optional=True, since=2),
 )
 
 

@@ -101,23 +101,27 @@ def _log_rule(state, ctx):
     return None
 
 
-# The observation log's state (`load_state_dict` reads a state LOG.check passed).
+# The observation log's state (`load_state_dict` reads a state LOG.check passed). An audit state of format 2
+# holds every field (since=2); the optional ones are absent only from a 0.1.0 audit's log (every row, no histograms).
+# A state's rows are at most the window's, and a window at most MAX_WINDOW rows (rows of a 0.1.0 state, which
+# kept every observation, beyond that are refused too: no 0.1.0 audit held 1.5 GB of rows in its checkpoint).
+_ROWS = MAX_WINDOW
 LOG = Section(
     "log",
-    Field("format", "int", low=STATE_FORMAT, high=STATE_FORMAT, optional=True),
-    Field("kinds", "list", items=Field("kind", "str"), optional=True),
+    Field("format", "int", low=STATE_FORMAT, high=STATE_FORMAT, optional=True, since=2),
+    Field("kinds", "list", items=Field("kind", "str"), optional=True, since=2, most=2**15),  # kind codes are int16
     Field("bins", Section("bins", Field("first", "int"), Field("count", "int", low=1), Field("per_unit", "int", low=1)),
-          rule=_bins_rule, optional=True),
-    Field("counts", "array", dtype="real", low=0, optional=True),  # whole numbers, checked with the shape
-    Field("moments", "array", dtype="real", finite="no-nan", optional=True),  # a square beyond the float range is inf
-    Field("total", "int", low=0, optional=True),
-    Field("step", "array", dtype="int", low=0),
-    Field("layer", "array", dtype="int", low=0, rule=lambda v, ctx: (
+          rule=_bins_rule, optional=True, since=2),
+    Field("counts", "array", dtype="real", low=0, optional=True, since=2),  # whole numbers, checked with the shape
+    Field("moments", "array", dtype="real", finite="no-nan", optional=True, since=2),  # a square beyond the float range is inf
+    Field("total", "int", low=0, optional=True, since=2),
+    Field("step", "array", dtype="int", low=0, most=_ROWS),
+    Field("layer", "array", dtype="int", low=0, most=_ROWS, rule=lambda v, ctx: (
         f"names layer {int(np.max(v))}; the set-up has {ctx['groups']}" if np.size(v) and ctx.get("groups") is not None
         and int(np.max(v)) >= ctx["groups"] else None)),
-    Field("kind", "array", dtype="int", low=0),
-    Field("is_in", "array", dtype="bool"),
-    Field("value", "array", dtype="real", finite=False),  # NaN observations are part of the log (underflow)
+    Field("kind", "array", dtype="int", low=0, most=_ROWS),
+    Field("is_in", "array", dtype="bool", most=_ROWS),
+    Field("value", "array", dtype="real", finite=False, most=_ROWS),  # NaN observations are part of the log (underflow)
     rules=(_log_rule,),
 )
 

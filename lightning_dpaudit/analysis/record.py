@@ -39,16 +39,21 @@ PROBLEM = Field("problem", "list", rule=lambda v, ctx: None if (
     len(v) == 3 and isinstance(v[0], str) and isinstance(v[1], str) and is_int(v[2]) and v[2] >= 0
 ) else f"is {v!r}; expected [code, message, first step]")
 
-# What an audit has seen, as saved (ctx: "groups", "sentinels", "claims"; see engine/state.py).
+# Set-up problems a state may hold: note_problem keeps the first of each finding code, and the audit has a few
+# dozen codes (17 where this was written); 256 leaves room for codes of later versions.
+MAX_PROBLEMS = 256
+
+# What an audit has seen, as saved (ctx: "groups", "sentinels", "claims", "format"; see engine/state.py). Every
+# field is written by this version (format 2): the optional ones are absent only from 0.1.0 states.
 RECORD = Section(
     "record",
-    Field("alerted", "bool", optional=True),
-    Field("failed", "str", null=True, optional=True),
-    Field("correlation", CORRELATION, optional=True),  # a state saved before the correlation test has none
+    Field("alerted", "bool", optional=True, since=2),
+    Field("failed", "str", null=True, optional=True, since=2),
+    Field("correlation", CORRELATION, optional=True, since=2),
     Field("fingerprints", FINGERPRINTS),
     Field("log", LOG),
     Field("monitor", SEGMENTED),
-    Field("problems", "list", items=PROBLEM, optional=True),
+    Field("problems", "list", items=PROBLEM, optional=True, since=2, most=MAX_PROBLEMS),
 )
 
 
@@ -150,7 +155,7 @@ class AuditRecord:
         """Restore each part of a state RECORD.check passed; a part that cannot be read raises ValueError naming it."""
         self.alerted, self.failed = bool(state.get("alerted", False)), state.get("failed")
         parts = [("fingerprints", self.fingerprints), ("log", self.log), ("monitor", self.monitor)]
-        if "correlation" in state:  # a state saved before the correlation test: its window starts afresh
+        if "correlation" in state:  # a 0.1.0 state, saved before the correlation test: its window starts afresh
             parts.append(("correlation", self.correlation))
         else:
             self.correlation.reset()

@@ -44,6 +44,13 @@ class Field:
     items    the Field (or Section) each list element or map value satisfies
     rule     (value, ctx) -> what is wrong, for shape, length and the set-up
     null / optional   None allowed / may be absent (states of earlier versions)
+    since    with optional: absent only from audit states of a format below this one (ctx["format"]); every
+             state of this format or a later one holds it, and one without it is damaged, not older
+    most     the most entries a list, map or array may hold: checked before any entry is looked at, so a
+             damaged state of any size is refused at once
+    batch    (entries, ctx) -> the index of the first list entry that may break `items`, or None when none does:
+             one vectorized pass over a long list instead of a check per entry (the entry found is then
+             checked by `items`, which names what is wrong)
     label    how a list element or map value is named ({path}, {parent}: the path without its last name, {key})
     """
 
@@ -57,6 +64,9 @@ class Field:
     rule: Optional[Rule] = None
     null: bool = False
     optional: bool = False
+    since: Optional[int] = None
+    most: Optional[int] = None
+    batch: Optional[Callable] = None
     label: str = "{path}[{key!r}]"
 
 
@@ -84,13 +94,20 @@ def check_field(f: Field, value, path: str, ctx: dict) -> None:
         if f.null or (f.type == "any" and f.rule is not None and problem is None):
             return
         raise StateError(path, problem or f"is None; expected {_KINDS.get(f.type, 'a value') if isinstance(f.type, str) else 'a dict'}")
+    if f.most is not None:
+        _check_size(f, value, path)
     if isinstance(f.type, Section):
         f.type.check(value, ctx, path=path)
     elif f.type in ("int", "real"):
         ok = _is_int(value) if f.type == "int" else _is_real(value)
         if not ok:
             raise StateError(path, f"is {value!r}; expected {_KINDS[f.type]}")
-        _check_numbers(f, np.asarray(value, dtype=float), path, value)
+        try:
+            number = np.asarray(value, dtype=float)
+        except OverflowError:
+            raise StateError(path, f"is {_shown(value)}, beyond the float range; expected {_KINDS[f.type]} "
+                             f"{_range(f) or 'within it'}") from None
+        _check_numbers(f, number, path, value)
     elif f.type == "bool" and not isinstance(value, (bool, np.bool_)):
         raise StateError(path, f"is {value!r}; expected true or false")
     elif f.type == "str" and not isinstance(value, str):
@@ -103,14 +120,34 @@ def check_field(f: Field, value, path: str, ctx: dict) -> None:
     elif f.type == "list":
         if not isinstance(value, (list, tuple)):
             raise StateError(path, f"is {_shown(value)}; expected a list")
-        for i, item in enumerate(value):
-            _check_item(f, item, f.label.format(path=path, key=i, parent=path.rpartition(".")[0] or path), ctx)
+        _check_list(f, value, path, ctx)
     elif f.type == "array":
         _check_array(f, value, path)
     if f.rule is not None:
         problem = f.rule(value, ctx)
         if problem:
             raise StateError(path, problem)
+
+
+def _check_size(f: Field, value, path: str) -> None:
+    """At most f.most entries, counted without reading them (len, or an array's size)."""
+    size = value.size if isinstance(value, np.ndarray) else len(value) if hasattr(value, "__len__") else None
+    if size is not None and size > f.most:
+        raise StateError(path, f"holds {size:,} entries; at most {f.most:,} fit the format: the state is damaged")
+
+
+def _check_list(f: Field, value, path: str, ctx: dict) -> None:
+    """Each entry against f.items; with f.batch, only the entry it finds (all of them when it finds one that passes)."""
+    def label(i):
+        return f.label.format(path=path, key=i, parent=path.rpartition(".")[0] or path)
+
+    if f.batch is not None:
+        first = f.batch(value, ctx)
+        if first is None:
+            return
+        _check_item(f, value[first], label(first), ctx)
+    for i, item in enumerate(value):
+        _check_item(f, item, label(i), ctx)
 
 
 def _shown(value) -> str:
@@ -189,15 +226,26 @@ class Section:
         for f in self.fields:
             where = f"{path}.{f.name}" if path else f.name
             if f.name not in state:
-                if f.optional:
+                problem = missing(f, ctx)
+                if problem is None:
                     continue
-                raise StateError(where, "is missing")
+                raise StateError(where, problem)
             check_field(f, state[f.name], where, ctx)
         for rule in self.rules:
             found = rule(state, ctx)
             if found:
                 name, problem = found  # name None: the problem names the field itself
                 raise StateError("" if name is None else f"{path}.{name}" if path else name, problem)
+
+
+def missing(f: Field, ctx: dict) -> Optional[str]:
+    """What an absent field means: None when a state may lack it (optional, and for `since`, an audit format
+    below it), else the problem ("is missing ...")."""
+    if not f.optional:
+        return "is missing"
+    if f.since is not None and ctx.get("format", 0) >= f.since:
+        return f"is missing; every audit state of format {f.since} or later holds it"
+    return None
 
 
 def is_int(x) -> bool:

@@ -16,12 +16,13 @@ the same Sections, with the set-up (tensor sizes, canaries per step, claims) as 
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Mapping, Optional
 
 import numpy as np
 
 from ..analysis.record import RECORD, SENTINELS
-from ..analysis.schema import AuditStateError, Field, Section, StateError, check_field, is_whole
+from ..analysis.schema import AuditStateError, Field, Section, StateError, check_field, is_whole, missing
 from .kinds.gradient import GRADIENT_STATE
 from .kinds.input import INPUT_STATE
 
@@ -32,6 +33,8 @@ WHAT_TO_DO = "resume with the model and audit settings the state was saved with,
 # The auditor's own fields; the rest of its state is its canary kind's and its record's.
 HEADER = Section("audit", Field("format", "int", optional=True), Field("setup", "map", optional=True), Field("steps", "int", low=0))
 KIND_LABEL = "`sampler` or `pool`"  # how errors in the kind's part are named (as when loading it fails)
+# What the gradient canaries' sampler of a state of this format always holds (a 0.1.0 sampler has none of them).
+SAMPLER_SINCE_2 = ("pool", "order", "block", "block_all_in")
 
 
 def dump_state(setup: dict, steps: int, kind_state: dict, record_state: dict) -> dict:
@@ -58,11 +61,23 @@ def composed_steps(history) -> Optional[int]:
     entries' steps: a noise schedule has several); None when the history is empty or not of that form."""
     if not isinstance(history, (list, tuple)) or not history:
         return None
-    total = 0
-    for entry in history:
-        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not is_whole(entry[2]) or entry[2] < 0:
+    if not (set(map(type, history)) <= {list, tuple} and set(map(len, history)) == {3}):
+        return None
+    steps = list(map(operator.itemgetter(2), history))
+    kinds = set(map(type, steps))
+    if kinds <= {int, float}:  # the usual history, summed at once
+        try:
+            column = np.asarray(steps, dtype=float)
+        except OverflowError:  # an integer beyond the float range: no accountant composes that many steps
             return None
-        total += int(entry[2])
+        if not (np.isfinite(column).all() and (column == np.round(column)).all() and (column >= 0).all()):
+            return None
+        return sum(steps) if kinds == {int} else sum(map(int, steps))
+    total = 0
+    for v in steps:
+        if not is_whole(v) or v < 0:
+            return None
+        total += int(v)
     return total
 
 
@@ -87,7 +102,7 @@ def check_state(state, setup: dict, claims: Optional[dict] = None, composed: Opt
         raise AuditStateError(
             "the audit state was saved on another set-up: " + "; ".join(differences) + f". To go on, {WHAT_TO_DO}."
         )
-    _check_parts(state, setup, claims)
+    _check_parts(state, setup, claims, version=version)
     _check_steps(state, composed)  # a whole state of this set-up: does the accounting back its steps?
 
 
@@ -118,10 +133,10 @@ def check_state_alone(state, composed: Optional[int] = None) -> None:
             SETUP_RECORD.check(saved, path="setup")
         except StateError as error:
             raise AuditStateError(f"the audit state's {error}; it is damaged, {WHAT_TO_DO}") from None
-        _check_parts(state, saved, None)
+        _check_parts(state, saved, None, version=version)
     else:
         saved_input = bool(state.get("input_canaries")) or "pool" not in (state["sampler"] or {})
-        _check_parts(state, None, None, input_kind=saved_input)
+        _check_parts(state, None, None, input_kind=saved_input, version=version)
     _check_steps(state, composed)
 
 
@@ -141,27 +156,40 @@ def _check_steps(state, composed: Optional[int]) -> None:
         )
 
 
-def _check_parts(state, setup: Optional[dict], claims: Optional[dict], input_kind: Optional[bool] = None) -> None:
-    """The kind's and the record's Sections, with the set-up (None: unknown, what needs it unchecked) as context."""
+def _check_parts(state, setup: Optional[dict], claims: Optional[dict], input_kind: Optional[bool] = None, *,
+                 version: int = FORMAT) -> None:
+    """The kind's and the record's Sections, with the set-up (None: unknown, what needs it unchecked) and the
+    state's format (a field written by every state of its format must be there) as context."""
     if not isinstance(state["monitor"], Mapping):
         raise AuditStateError("the audit state's `monitor` is not a dict; the state is damaged")
     if setup is None:
-        ctx = {"sentinels": SENTINELS, "claims": claims}
+        ctx = {"sentinels": SENTINELS, "claims": claims, "format": version}
         input_kind = bool(input_kind)
     else:
         ctx = {
             "sizes": [int(np.prod(s)) for s in setup["shapes"]], "per_step": int(setup["canaries_per_step"]),
             "groups": 1 if setup["input"] else len(setup["shapes"]), "sentinels": SENTINELS, "claims": claims,
+            "format": version,
         }
         input_kind = setup["input"]
     kind = INPUT_STATE if input_kind else GRADIENT_STATE
+    if version >= 2 and not input_kind and isinstance(state["sampler"], Mapping):
+        absent = [name for name in SAMPLER_SINCE_2 if name not in state["sampler"]]
+        if absent:
+            raise AuditStateError(
+                f"the audit state is damaged (`sampler.{absent[0]}` is missing; every audit state of format 2 or later "
+                f"holds it); start a new audit")
     for part, section in ((KIND_LABEL, kind), (None, RECORD)):
         name = None
         try:
-            for f in section.fields:  # the fields this state holds (REQUIRED above; others are optional in earlier versions)
+            for f in section.fields:  # the fields this state holds (REQUIRED above; others are optional in earlier formats)
                 name = f"`{f.name}`"
                 if f.name in state:
                     check_field(f, state[f.name], f.name, ctx)
+                else:
+                    problem = missing(f, ctx)
+                    if problem is not None:
+                        raise StateError(f.name, problem)
             name = None
             for rule in section.rules:
                 found = rule(state, ctx)

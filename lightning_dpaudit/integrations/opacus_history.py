@@ -452,7 +452,12 @@ HISTORICAL_BUGS: Dict[str, HistoricalBug] = {bug.name: bug for bug in _ENTRIES}
 
 
 def historical_bug(name: str) -> HistoricalBug:
-    """The entry called ``name``; ValueError listing the names if there is none."""
+    """The entry called ``name``; ValueError listing the names if there is none (or ``name`` is not a string)."""
+    if not isinstance(name, str):
+        raise ValueError(
+            f"Unexpected value for `name`: {name!r} of type {type(name).__name__}; use one name, a string, of: "
+            f"{', '.join(HISTORICAL_BUGS)}"
+        )
     try:
         return HISTORICAL_BUGS[name]
     except KeyError:
