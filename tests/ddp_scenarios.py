@@ -1,4 +1,5 @@
-"""Two-process (gloo, 127.0.0.1) audits of Opacus's DistributedDPOptimizer, run by test_distributed.py.
+"""Two-process (gloo, 127.0.0.1) audits of Opacus's DistributedDPOptimizer, run by test_distributed.py
+(and bench/false_alarms.py's correct runs under DDP and FSDP).
 
 `launch(scenario, ...)` starts one process per rank running this file and returns each
 rank's JSON answer; a rank that hangs or dies fails the launch within `timeout` seconds.
@@ -75,19 +76,24 @@ def _model(seed: int = 0):
     return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 10))
 
 
-def _loader(rank: int, world: int, n: int = 1024, batch: int = 32, sharded: bool = True):
+def _loader(rank: int, world: int, n: int = 1024, batch: int = 32, sharded: bool = True, generator=None):
     import torch
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+    drawn = {} if generator is None else {"generator": generator}
     if not sharded:
-        return DataLoader(data, batch_size=batch)
-    return DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False))
+        return DataLoader(data, batch_size=batch, **drawn)
+    return DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False),
+                      **drawn)
 
 
-def _private(rank, world, *, wrap=True, noise_seed=7, sharded=True, noise_multiplier=1.0, clipping="flat"):
-    """A DP model, its optimizer (a DistributedDPOptimizer when wrapped) and loader; Poisson sampling off (fixed batches)."""
+def _private(rank, world, *, wrap=True, noise_seed=7, sharded=True, noise_multiplier=1.0, clipping="flat",
+             poisson_sampling=True):
+    """A DP model, its optimizer (a DistributedDPOptimizer when wrapped) and loader. Fixed batches unless
+    poisson_sampling: then make_private's own Poisson sampling (under DPDDP a DPDataLoader over Opacus's
+    DistributedUniformWithReplacementSampler: each rank draws from its shard with a generator of its own)."""
     import torch
     from opacus import PrivacyEngine
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
@@ -96,9 +102,10 @@ def _private(rank, world, *, wrap=True, noise_seed=7, sharded=True, noise_multip
     module = DPDDP(model) if wrap else model
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     engine = PrivacyEngine()
+    generator = torch.Generator().manual_seed(noise_seed * world + rank + 1) if poisson_sampling else None
     module, optimizer, loader = engine.make_private(
-        module=module, optimizer=optimizer, data_loader=_loader(rank, world, sharded=sharded),
-        noise_multiplier=noise_multiplier, poisson_sampling=False, clipping=clipping,
+        module=module, optimizer=optimizer, data_loader=_loader(rank, world, sharded=sharded, generator=generator),
+        noise_multiplier=noise_multiplier, poisson_sampling=poisson_sampling, clipping=clipping,
         max_grad_norm=1.0 if clipping == "flat" else [0.5] * len(list(model.parameters())),
         noise_generator=torch.Generator().manual_seed(noise_seed),
     )
@@ -212,28 +219,61 @@ class _Stop(Exception):
 
 
 def false_alarms(rank, world, options):
-    """Correct audited runs one after another (bench/false_alarms.py --mode ddp): per run, whether the
-    alarm ever fired and which exact data-path findings or failures were recorded."""
+    """Correct audited runs one after another (bench/false_alarms.py --mode ddp or fsdp): per run, whether the
+    alarm ever fired and which findings or failures were recorded.
+
+    setup "ddp" (default): the MLP under DPDDP and its DistributedDPOptimizer, the exact checks at every due step;
+    "fsdp": the token classifier of ghost_setups.py under Opacus's FSDP2Wrapper, grad_sample_mode="ghost_fsdp"
+    (the exact checks are off there). Both with make_private's Poisson sampling (poisson_sampling=True: a
+    DPDataLoader over DistributedUniformWithReplacementSampler), the loader given to the audit as data_loader."""
     from lightning_dpaudit import PrivacyAuditor
 
     outcomes = []
+    sigma = float(options.get("sigma", 1.0))
     for seed in options["seeds"]:
-        module, optimizer, loader, _ = _private(rank, world, noise_seed=10_000 + seed,
-                                               noise_multiplier=float(options.get("sigma", 1.0)))
-        auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None,
-                                 per_sample_check_budget=1.0)  # every due step checked
-        _train(module, optimizer, loader, int(options["steps"]))
+        if options.get("setup", "ddp") == "fsdp":
+            from ghost_setups import train_ghost
+
+            module, optimizer, criterion, loader = _fsdp_private(rank, world, noise_seed=10_000 + seed,
+                                                                 noise_multiplier=sigma)
+            auditor = PrivacyAuditor(optimizer, module=module, seed=10_000 + seed, on_violation=lambda result: None,
+                                     data_loader=loader)
+            train_ghost(module, optimizer, criterion, loader, int(options["steps"]))
+        else:
+            module, optimizer, loader, _ = _private(rank, world, noise_seed=10_000 + seed, noise_multiplier=sigma,
+                                                   poisson_sampling=True)
+            auditor = PrivacyAuditor(optimizer, module=module, seed=10_000 + seed, on_violation=lambda result: None,
+                                     per_sample_check_budget=1.0,  # every due step checked
+                                     data_loader=loader)
+            _train(module, optimizer, loader, int(options["steps"]))
         outcomes.append(run_outcome(auditor))
     return {"outcomes": outcomes}
 
 
+def _fsdp_private(rank, world, *, noise_seed: int, noise_multiplier: float):
+    """(module, optimizer, criterion, loader): the token classifier under FSDP2Wrapper and ghost_fsdp clipping, the
+    same model on every rank, Poisson sampling over each rank's shard (a generator and noise of its own)."""
+    import torch
+    from ghost_setups import make_ghost, token_data, token_model
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    data = token_data()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    return make_ghost(module=FSDP2Wrapper(token_model(0)), dataset=data, sampler=sampler, batch_size=32,
+                      seed=3 * (noise_seed * world + rank), noise_multiplier=noise_multiplier, grad_sample_mode="ghost_fsdp",
+                      poisson_sampling=True)
+
+
 def run_outcome(auditor) -> dict:
     """A finished run's outcome for bench/false_alarms.py (the auditor detached): whether the alarm ever fired,
-    the findings' codes, the audit's own failure."""
+    the findings' codes, the run checks' findings (code, message, step) and status line, the audit's own failure."""
+    from lightning_dpaudit.analysis.results import PIPELINE_CODES
+
     result = auditor.result()
     auditor.detach()
     return {"violation": bool(result.violation), "codes": sorted({f.code for f in result.findings}),
-            "audit_failed": result.audit_failed, "steps": result.steps}
+            "pipeline_findings": [[f.code, f.message, f.first_step] for f in result.findings if f.code in PIPELINE_CODES],
+            "pipeline": result.pipeline, "audit_failed": result.audit_failed, "steps": result.steps}
 
 
 def plain_optimizer(rank, world, options):

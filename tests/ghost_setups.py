@@ -35,12 +35,15 @@ ADAPTIVE = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_
 
 def make_ghost(*, seed: int = 0, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, batch_size: int = 64,
                module: nn.Module = None, dataset=None, sampler=None, grad_sample_mode: str = "ghost",
-               adaptive: bool = False):
+               adaptive: bool = False, poisson_sampling: bool = True):
     """make_private(..., grad_sample_mode="ghost") with a seeded noise generator: (module, optimizer, criterion, loader).
-    adaptive: Opacus's PrivacyEngineAdaptiveClipping (the clipping bound moves after each step, ADAPTIVE)."""
+    adaptive: Opacus's PrivacyEngineAdaptiveClipping (the clipping bound moves after each step, ADAPTIVE).
+    poisson_sampling: Opacus's Poisson sampling (a DPDataLoader drawing from its own seeded generator; under DDP
+    or FSDP its distributed sampler) rather than the loader's fixed batches."""
     model = module if module is not None else token_model(seed)
     data = dataset if dataset is not None else token_data()
-    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler)
+    sampling = dict(generator=torch.Generator().manual_seed(seed + 2)) if poisson_sampling else {}
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler, **sampling)
     if adaptive:
         from opacus.utils.adaptive_clipping import PrivacyEngineAdaptiveClipping
 
@@ -50,7 +53,8 @@ def make_ghost(*, seed: int = 0, noise_multiplier: float = 1.0, max_grad_norm: f
     return engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
         criterion=nn.CrossEntropyLoss(), noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-        grad_sample_mode=grad_sample_mode, noise_generator=torch.Generator().manual_seed(seed + 1), poisson_sampling=False,
+        grad_sample_mode=grad_sample_mode, noise_generator=torch.Generator().manual_seed(seed + 1),
+        poisson_sampling=poisson_sampling,
         **extra,
     )
 
