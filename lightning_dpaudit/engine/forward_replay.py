@@ -59,6 +59,23 @@ def replay_forward(module: torch.nn.Module, call: Call, args, kwargs) -> list:
     return [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
 
 
+def keep_output(call: Call, output, rng: np.random.Generator, examples: int) -> bool:
+    """At the end of the call's forward pass: choose `examples` of its batch (the generator's draw), keep their
+    output rows and hook the first gradient each batched output leaf receives; False when the output holds no
+    tensor that requires grad (nothing to compare)."""
+    leaves = [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
+    if not leaves:
+        return False
+    call.batch = leaves[0].shape[0]
+    call.chosen = np.sort(rng.choice(call.batch, size=min(examples, call.batch), replace=False))
+    rows = torch.as_tensor(call.chosen, device=leaves[0].device)
+    for j, leaf in enumerate(leaves):
+        if leaf.shape[0] == call.batch:
+            leaf.register_hook(first_gradient(call, j, rows))
+            call.outputs[j] = leaf.detach()[rows].clone()  # what a replay of the chosen examples must give
+    return True
+
+
 def first_gradient(call: Call, j: int, rows: torch.Tensor):
     """A tensor hook keeping the chosen examples' rows of the first gradient that reaches output leaf j."""
     task = getattr(torch._C, "_current_graph_task_id", lambda: None)

@@ -37,7 +37,7 @@ import torch
 
 from .check_budget import CheckBudget
 from .forward_replay import (
-    EPS32, Call, captured, first_gradient, precision, replay_forward, same_rows, sliced, smallest_module_holding, tensors,
+    EPS32, Call, captured, keep_output, precision, replay_forward, same_rows, sliced, smallest_module_holding,
 )
 from .instance_patch import InstancePatch
 
@@ -179,18 +179,8 @@ class PerSampleCheck:
     def _after_forward(self, module, args, kwargs, output):
         if self.replaying or not self.calls or self.calls[-1].args is not args:
             return None
-        call = self.calls[-1]
-        leaves = [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
-        if not leaves:
+        if not keep_output(self.calls[-1], output, self.rng, self.examples):
             self.calls.pop()
-            return None
-        call.batch = leaves[0].shape[0]
-        call.chosen = np.sort(self.rng.choice(call.batch, size=min(self.examples, call.batch), replace=False))
-        rows = torch.as_tensor(call.chosen, device=leaves[0].device)
-        for j, leaf in enumerate(leaves):
-            if leaf.shape[0] == call.batch:
-                leaf.register_hook(first_gradient(call, j, rows))
-                call.outputs[j] = leaf.detach()[rows].clone()  # what a replay of the chosen examples must give
         return None
 
     # ------------------------------------------------------------------ check

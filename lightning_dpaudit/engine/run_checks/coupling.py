@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..forward_replay import captured, first_gradient, replay_forward, same_rows, smallest_module_holding, tensors
+from ..forward_replay import captured, keep_output, replay_forward, same_rows, smallest_module_holding, tensors
 from .base import DOES_NOT_DESCRIBE, RunCheck, records_in
 from .outside_dp import CODE as OUTSIDE_DP, listed
 
@@ -147,17 +147,8 @@ class CouplingCheck(RunCheck):
         call = self.call
         if self.busy() or call is None or module is not self.root or call.args is not args or call.chosen is not None:
             return None
-        leaves = [t for t in tensors(output) if t.requires_grad and t.dim() > 0]
-        if not leaves:
+        if not keep_output(call, output, self.rng, self.examples):
             self.call = None
-            return None
-        call.batch = leaves[0].shape[0]
-        call.chosen = np.sort(self.rng.choice(call.batch, size=min(self.examples, call.batch), replace=False))
-        rows = torch.as_tensor(call.chosen, device=leaves[0].device)
-        for j, leaf in enumerate(leaves):
-            if leaf.shape[0] == call.batch:
-                leaf.register_hook(first_gradient(call, j, rows))
-                call.outputs[j] = leaf.detach()[rows].clone()
         return None
 
     def batch(self, batch, step_fn=None, due: bool = False) -> None:
