@@ -1,14 +1,15 @@
 """Independence: does a checked example's gradient depend on the batch's other examples?
 
-At the exact checks' steps (per_sample_check.py), for the example(s) i it checked, the real
-step is replayed twice from the state it started in (torch's RNG, and numpy's and Python's for
+At the exact checks' steps (per_sample_check.py), for a few examples i of the batch, the real
+step is replayed from the state it started in (torch's RNG, and numpy's and Python's for
 a training step; the module's buffers as they were before the forward pass):
 
     control    the batch as it was: it must give example i's recorded output (and, with a
                training step, the gradient the loss sent to it); else the step cannot be replayed
                exactly and the check says so and compares nothing
     replaced   every other example replaced by another real example of the batch (drawn with
-               replacement by the audit's own generator), example i kept in its place
+               replacement by the audit's own generator), then all of them by one same other
+               example; example i kept in its place
 
 Example i's output changing is a certainty that its gradient depends on other records, and
 per-example clipping then bounds nothing about one record: finding `coupled_examples`, naming
@@ -40,17 +41,24 @@ from .outside_dp import CODE as OUTSIDE_DP, listed
 CODE = "coupled_examples"
 
 
-def replaced(value, keep: np.ndarray, batch: int, rng: np.random.Generator):
-    """`value` with every tensor whose leading size is `batch` re-indexed: rows in `keep` stay, every other row is
-    another row drawn with replacement from the rows not kept. None when there are fewer than 2 such rows."""
+def replacements(keep: np.ndarray, batch: int, rng: np.random.Generator) -> list:
+    """Index arrays `source` (row r of the replaced batch is row source[r] of the real one): the rows in `keep` stay,
+    every other row becomes another real example of the batch, drawn with replacement; then every other row becomes
+    one same other example (statistics over the batch, class counts, a loss's ranking moved as far as the batch
+    allows). Empty when fewer than 2 rows are not kept."""
     others = np.setdiff1d(np.arange(batch), keep)
     if len(others) < 2:
-        return None
-    source = np.arange(batch)
-    source[others] = rng.choice(others, size=len(others), replace=True)
-    if np.array_equal(source[others], others):
-        source[others] = np.roll(others, 1)
+        return []
+    drawn, single = np.arange(batch), np.arange(batch)
+    drawn[others] = rng.choice(others, size=len(others), replace=True)
+    if np.array_equal(drawn[others], others):
+        drawn[others] = np.roll(others, 1)
+    single[others] = rng.choice(others)
+    return [drawn, single]
 
+
+def reindexed(value, source: np.ndarray, batch: int):
+    """`value` with every tensor whose leading size is `batch` re-indexed by `source` (nested tuples, lists, dicts)."""
     def walk(v):
         if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == batch:
             return v[torch.as_tensor(source, device=v.device)]
@@ -175,8 +183,8 @@ class CouplingCheck(RunCheck):
         keep = np.asarray(call.chosen)
         rows = torch.as_tensor(keep, device=next(iter(call.outputs.values())).device)
         pre, post = call.buffers, [b.detach().clone() for b in target.buffers()]
-        inputs = replaced((call.args, call.kwargs), keep, call.batch, self.rng)
-        if inputs is None:
+        sources = replacements(keep, call.batch, self.rng)
+        if not sources:
             self.skipped = f"a batch of {call.batch} example(s) has no others to replace"
             return False
         try:
@@ -184,21 +192,25 @@ class CouplingCheck(RunCheck):
             if not all(j < len(control[0]) and same_rows(control[0][j][rows], out) for j, out in call.outputs.items()):
                 self.skipped = "a replay of the batch as it was does not give the recorded outputs"
                 return False
-            changed = self._forward(call, target, forward, inputs, pre, rows)
             self.compared += 1
-            self._buffers(target, post, control[2], changed[2], step)
-            moved = [j for j, out in call.outputs.items() if j >= len(changed[0]) or not same_rows(changed[0][j][rows], out)]
-            if moved:
-                where = origin(control[1], changed[1])
-                place = f"in `{where}` of the forward pass" if where else "in the forward pass"
-                return self._found(f"example {int(keep[0])}'s output changes when the batch's other examples are "
-                                   f"replaced, {place}: its gradient depends on other records (statistics over the "
-                                   "batch, inputs mixed across it), so clipping it bounds nothing about one record", step)
+            for source in sources:
+                changed = self._forward(call, target, forward, reindexed((call.args, call.kwargs), source, call.batch),
+                                        pre, rows)
+                self._buffers(target, post, control[2], changed[2], step)
+                moved = [j for j, out in call.outputs.items()
+                         if j >= len(changed[0]) or not same_rows(changed[0][j][rows], out)]
+                if moved:
+                    where = origin(control[1], changed[1])
+                    place = f"in `{where}` of the forward pass" if where else "in the forward pass"
+                    return self._found(f"example {int(keep[0])}'s output changes when the batch's other examples are "
+                                       f"replaced, {place}: its gradient depends on other records (statistics over "
+                                       "the batch, inputs mixed across it), so clipping it bounds nothing about one "
+                                       "record", step)
         finally:
             with torch.no_grad():
                 for b, value in zip(target.buffers(), post):
                     b.copy_(value)
-        return self._training_step(call, target, rows, step)  # from the buffers as the real step left them
+        return self._training_step(call, target, rows, step, sources)  # from the buffers as the real step left them
 
     def _forward(self, call, target, forward, inputs, pre, rows):
         """(output leaves, module rows, buffers after) of one forward pass of the target from the buffers `pre`."""
@@ -222,7 +234,7 @@ class CouplingCheck(RunCheck):
                                   "examples in training (running statistics) and released with the model without noise",
                                   step)
 
-    def _training_step(self, call, target, rows, step) -> bool:
+    def _training_step(self, call, target, rows, step, sources) -> bool:
         step_fn = self.step_fn if self.step_fn is not None else self.training_loss
         if step_fn is None or self.states is None or self.last_batch is None:
             return False
@@ -236,21 +248,25 @@ class CouplingCheck(RunCheck):
             if control is None or not self._matches(control[:2], call.outputs, call.grads):
                 self.skipped = self.skipped or "a replay of the training step does not give the recorded outputs and gradients"
                 return False
-            batch = replaced(self.last_batch, np.asarray(call.chosen), call.batch, self.rng)
-            changed = self._step(step_fn, batch, target, rows, call, module)
+            steps = [self._step(step_fn, reindexed(self.last_batch, source, call.batch), target, rows, call, module)
+                     for source in sources]
         finally:
             with torch.no_grad():
                 for b, value in zip(module.buffers(), post):
                     b.copy_(value)
-        if changed is None:
-            return False
-        self._buffers(module, post, control[2], changed[2], step)
-        outputs, grads, _ = changed
-        if not all(j in outputs and same_rows(outputs[j], out) for j, out in call.outputs.items()):
-            where = "what the training step does to the batch before the model"
-        elif not all(j in grads and same_rows(grads[j], g) for j, g in call.grads.items()):
-            where = "the loss"
-        else:
+        where = None
+        for changed in steps:
+            if changed is None:
+                continue
+            self._buffers(module, post, control[2], changed[2], step)
+            outputs, grads, _ = changed
+            if not all(j in outputs and same_rows(outputs[j], out) for j, out in call.outputs.items()):
+                where = "what the training step does to the batch before the model"
+            elif not all(j in grads and same_rows(grads[j], g) for j, g in call.grads.items()):
+                where = "the loss"
+            if where is not None:
+                break
+        if where is None:
             return False
         return self._found(f"example {int(call.chosen[0])}'s gradient changes when the batch's other examples are replaced; "
                     f"it arises in {where}: per-example clipping then bounds nothing about one record", step)
