@@ -458,3 +458,15 @@ class LabelPrior(Private):
 def test_lightning_a_buffer_updated_in_training_step_is_outside_dp(tmp_path):
     result, seen = _fit(tmp_path, LabelPrior(), Digits(), steps=3)
     assert seen and _codes(result)[0] == ("outside_dp", 1) and "`prior`" in result.findings[0].message
+
+
+def test_duplicate_records_are_a_note_naming_their_count():
+    images, labels = digits_dataset().tensors
+    doubled = TensorDataset(torch.cat([images, images]), torch.cat([labels, labels]))  # every record twice
+    model, optimizer, loader = _private(DigitsCNN(), doubled)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 40)
+    result = auditor.result()
+    note = next(n for n in result.notes if n.startswith("multiplicity: "))
+    assert int(note.split()[1]) == auditor.run_checks.sampling.duplicates > 0
+    assert "duplicate records in the data" in note and not result.violation

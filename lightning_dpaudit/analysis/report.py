@@ -16,9 +16,8 @@ from scipy.stats import norm
 
 from .final_model import histogram_panel
 from .formatting import as_number as _num
-from .formatting import fixed as _f
 from .results import DOES_NOT_DESCRIBE, pipeline_codes
-from .final_model import summary_lines as final_model_lines
+from .summary import summary_table  # noqa: F401  (its home is summary.py; imported from here too)
 
 JSON_NAME = "audit_report.json"
 PNG_NAME = "audit_report.png"
@@ -315,94 +314,3 @@ def write_report(
     )
     fig.savefig(png_path, dpi=110)
     return json_path, png_path
-
-
-def summary_table(report: dict) -> str:
-    """A short aligned plain-text summary of a loaded report (or {"result": result.to_dict()})."""
-    r = report.get("result", report)
-    bad = list(r.get("violating_layers") or [])
-    pipeline = pipeline_codes(r.get("findings"))
-    if r.get("violation"):
-        first = r.get("first_violation_step")
-        where = f"; first at step {first}" if first is not None else ""
-        verdict = f"VIOLATION: leak beyond the claim {_violating(bad)}{where}"
-        if pipeline:
-            verdict = f"VIOLATION: {DOES_NOT_DESCRIBE} ({', '.join(pipeline)}){where}"
-    else:
-        verdict = "OK: no leak beyond the claim detected"
-    conf = _num(r.get("confidence"))
-    rows = [
-        ("", "lower bound", "claimed"),
-        (f"epsilon (delta={_num(r.get('delta')):.3g})", _f(r.get("epsilon_lower_bound"), 2), _f(r.get("epsilon_accountant"), 2) + " (accountant)"),
-        ("epsilon per step", _f(r.get("epsilon_step_lower_bound"), 2), _f(r.get("epsilon_step_claimed"), 2)),
-        ("mu per step", _f(r.get("mu_lower_bound")), _f(r.get("mu_claimed"))),
-        ("mu per step, anytime", _f(r.get("mu_lower_bound_anytime")), ""),
-        *_sampling_row(r),
-    ]
-    w0 = max(len(a) for a, _, _ in rows)
-    w1 = max(len(b) for _, b, _ in rows)
-    lines = [verdict, *_failure_line(r), *_finding_lines(r), ""]
-    lines += [f"  {a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
-    facts = [
-        ("observations", f"in {r.get('n_in')} / out {r.get('n_out')}"),
-        ("steps", f"{r.get('steps')}   noise repeats: {r.get('noise_repeats')}{_first_repeat(r)}"),
-        ("estimator", f"{r.get('estimator')} at {conf:.0%} confidence" if not math.isnan(conf) else str(r.get("estimator"))),
-        ("mode / canary", f"{r.get('mode')} / {r.get('canary')}"),
-        *([("exact checks", r["data_path"])] if r.get("data_path") else []),
-        *([("run checks", r["pipeline"])] if r.get("pipeline") else []),
-    ]
-    lines += [f"  {a:<{w0}}  {b}" for a, b in facts]
-    lines += [f"  note: {note}" for note in r.get("notes") or []]
-    layers = list(r.get("layers") or [])
-    if layers:
-        wn = max(5, max(len(str(layer.get("name"))) for layer in layers))
-        lines += ["", f"  {'layer':<{wn}}  {'mu lower':>8}  {'mu claimed':>10}  {'n in/out':>13}  flag"]
-        for layer in layers:
-            n = f"{layer.get('n_in')}/{layer.get('n_out')}"
-            flag = "VIOLATION" if layer.get("violation") else ""
-            lines.append(
-                f"  {str(layer.get('name')):<{wn}}  {_f(layer.get('mu_lower_bound')):>8}  "
-                f"{_f(layer.get('mu_claimed')):>10}  {n:>13}  {flag}".rstrip()
-            )
-    if isinstance(report.get("final_model"), dict):
-        lines += ["", *final_model_lines(report["final_model"])]
-    return "\n".join(lines)
-
-
-GROUPS = ("pooled", "noise repeats", "noise correlated", "exact checks")  # violating groups that are not layers
-
-
-def _violating(names: list) -> str:
-    """Where the alarm fired: "in 2 layers (a, b)", with the groups named as such ("in pooled, noise repeats
-    and 1 layer (a)"); only tensors are counted as layers."""
-    if not names:
-        return "(where: unknown)"
-    groups = [name for name in names if name in GROUPS]
-    layers = [name for name in names if name not in GROUPS]
-    parts = groups + ([f"{len(layers)} layer{'s' * (len(layers) != 1)} ({', '.join(layers)})"] if layers else [])
-    return "in " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
-
-
-def _sampling_row(r: dict) -> list:
-    """Epsilon under the sampling the run used, where it is not the accountant's (inf: no valid bound)."""
-    value = r.get("epsilon_sampling")
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return []
-    return [("epsilon, sampling used", "", (_f(value, 2) if value not in ("inf", math.inf) else "no valid bound")
-             + " (batches as drawn)")]
-
-
-def _failure_line(r: dict) -> list:
-    """The first error of the audit's own code, when there was one (training went on)."""
-    failed = r.get("audit_failed")
-    return [f"AUDIT FAILED: {failed} (training went on; what the audit saw stops there or is incomplete)"] if failed else []
-
-
-def _finding_lines(r: dict) -> list:
-    """One line per finding (a report written before findings existed has none)."""
-    return [f"  - {f.get('code')}: {f.get('message')}" for f in r.get("findings") or []]
-
-
-def _first_repeat(r: dict) -> str:
-    first = r.get("first_noise_repeat")
-    return f" (first: step {first[0]} repeats step {first[1]})" if first else ""

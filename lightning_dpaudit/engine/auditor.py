@@ -41,7 +41,7 @@ from .options import (
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
 from .pipeline import StepPipeline
-from .run_checks import RunChecks, RunView, check_run_options
+from .run_checks import RunChecks, check_run_options
 from .state import AuditStateError, check_state, composed_steps, dump_state, setup_of
 from .user_warning import warn_at_user_code
 
@@ -84,11 +84,9 @@ class PrivacyAuditor:
     last check's cost (step 1 never is; 1.0: none is).
     checksum_every: under a DistributedDPOptimizer, the steps between checks that every
     replica holds the same parameters (see distributed.py; 0 turns them off).
-    What the accountant assumes about the run beyond the optimizer (run_checks/): data_loader is the
-    training loader the loop iterates (its sampler, records and batches are checked; `watch_loader` sets
-    it later, e.g. BatchMemoryManager's); training_loss(batch) returns the step's loss from a loader
-    batch, so that the independence check replays the whole step (without it, the forward pass);
-    other_optimizers are the run's other optimizers (tensors of `module` they hold train outside DP-SGD).
+    The run beyond the optimizer (run_checks/): data_loader, the loader the loop iterates (`watch_loader`
+    for one made later); training_loss(batch), the step's loss, replayed by the independence check;
+    other_optimizers, the run's other optimizers (what they hold trains outside DP-SGD).
     """
 
     def __init__(
@@ -135,7 +133,6 @@ class PrivacyAuditor:
         sigma, C = mechanism.noise_multiplier, mechanism.max_grad_norm
         self.setup = setup_of(mechanism, options)
         self.rng = np.random.default_rng(seed)
-        self.notes: list = []
         self.kind = canary_kind_for(optimizer, mechanism, options, module, self.rng)
         self.record = AuditRecord(
             self.kind.layer_claims, 1.0 / sigma, confidence=options.confidence, kinds=ALL_KIND_NAMES,
@@ -162,19 +159,11 @@ class PrivacyAuditor:
         )
         if self.probe.ghost is not None:  # ghost clipping's own coefficient check (ghost.py)
             self.probe.ghost.note_problem = lambda *a: self.pipeline.note_problem(*a[:2], self.pipeline.steps + 1, a[2])
-        self.run_checks = RunChecks(
-            RunView(optimizer, mechanism.params, module, self.kind.module_ref, self.accountant,
-                    note_problem=lambda *a: self.pipeline.note_problem(*a),
-                    note=lambda code, message: self.notes.append((code, message)),
-                    other_optimizers=list(other_optimizers)),
-            seed=seed, delta=options.delta, training_loss=training_loss,
-            due=lambda step: self.per_sample_check.due(step), busy=lambda: self.per_sample_check.replaying,
-        )
+        self.run_checks = RunChecks.of(self, mechanism.params, module, other_optimizers, training_loss, seed)
         self.per_sample_check = PerSampleCheck(
             optimizer, mechanism.params, self.layer_names, self.kind.module_ref, lambda: self.pipeline.steps,
             every=per_sample_check_every if path_class.checks_per_sample else 0, examples=per_sample_check_examples,
-            budget=per_sample_check_budget,
-            seed=seed,
+            budget=per_sample_check_budget, seed=seed,
             ghost=is_ghost(optimizer), note_problem=lambda *a: self.pipeline.note_problem(*a),
             ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer),
             off_reason=None if path_class.checks_per_sample else "not yet under FSDP",
@@ -184,10 +173,8 @@ class PrivacyAuditor:
         self.path.attach(self._noised_step)
         optimizer._dpaudit_auditor = self
         # what the claim does not cover, stated beside the result (not a leak beyond the claim's own terms)
-        self.notes += [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
-        self.run_checks.attach()
-        if data_loader is not None:
-            self.watch_loader(data_loader)
+        self.notes = [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
+        self.run_checks.attach(data_loader)
         self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
 
     def _noised_step(self) -> None:
@@ -275,8 +262,7 @@ class PrivacyAuditor:
         return [(f.code, f.message, f.first_step) for f in self.record.problems]
 
     def watch_loader(self, loader) -> None:
-        """Check the training loader the loop iterates (under BatchMemoryManager, the loader it yields) and see each
-        batch it delivers: its sampler, its records per step, its batches' repeats (run_checks/)."""
+        """Check the loader the loop iterates (under BatchMemoryManager, the one it yields) and each batch it delivers."""
         self.run_checks.watch(loader)
 
     def check_sample_rate(self, batches_per_epoch: int) -> None:
@@ -323,7 +309,7 @@ class PrivacyAuditor:
         result = self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
         return replace(result, audit_failed=self.record.failed, data_path=self.per_sample_check.status(self.steps),
                        pipeline=self.run_checks.status(), epsilon_sampling=self.run_checks.epsilon(),
-                       notes=tuple(f"{code}: {message}" for code, message in self.notes))
+                       notes=tuple(f"{code}: {message}" for code, message in self.notes + self.run_checks.notes()))
 
     def _evidence(self, anytime: dict):
         return self.results.evidence(self.record, self.layer_names, anytime)

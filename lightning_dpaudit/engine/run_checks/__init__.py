@@ -56,10 +56,26 @@ class RunChecks:
         self.watched: Optional[WatchedLoader] = None
         self.view = view
 
-    def attach(self) -> None:
-        """Once the auditor is complete (a finding at attach alarms through it)."""
+    @classmethod
+    def of(cls, auditor, params, module, other_optimizers, training_loss, seed) -> "RunChecks":
+        """The run checks of a PrivacyAuditor: its findings go through its pipeline, its replays with its exact checks."""
+        view = RunView(auditor.optimizer, params, module, auditor.kind.module_ref, auditor.accountant,
+                       note_problem=lambda *a: auditor.pipeline.note_problem(*a), other_optimizers=list(other_optimizers))
+        return cls(view, seed=seed, delta=auditor.options.delta, training_loss=training_loss,
+                   due=lambda step: auditor.per_sample_check.due(step), busy=lambda: auditor.per_sample_check.replaying)
+
+    def attach(self, loader=None) -> None:
+        """Once the auditor is complete (a finding at attach alarms through it); `loader` is then watched."""
         for check in self.checks:
             check.attach(self.view)
+        if loader is not None:
+            self.watch(loader)
+
+    def notes(self) -> list:
+        """(code, message) said beside the result, no alarm: rows equal to another row of their batch."""
+        duplicates = self.sampling.duplicates
+        return [("multiplicity", f"{duplicates} row(s) equal to another row of their batch: duplicate records in the "
+                 "data, or copies (the claim is one record per person)")] if duplicates else []
 
     def loader(self, loader) -> None:
         """The training loader, when it becomes known (the callback reads the Trainer's)."""

@@ -13,8 +13,8 @@ optimizer. Each is a small unit with one interface:
     status()          one line: what it compared, or why nothing
 
 A finding is a certainty (or a test with its own stated false-alarm budget) and
-goes through `run.note_problem(code, message, step)`, which raises the alarm; a
-note (`run.note(code, message)`) is said beside the result and alarms nothing.
+goes through `run.note_problem(code, message, step)`, which raises the alarm; notes
+(RunChecks.notes) are said beside the result and alarm nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class RunView:
     module       the module trained (the LightningModule under Lightning, else the model passed as `module=`)
     gradient_module  () -> the GradSampleModule once the model ran (None before)
     accountant   the run's accountant (None when unknown)
-    note_problem (code, message, step): a finding, with the alarm; note (code, message): said, no alarm
+    note_problem (code, message, step): a finding, with the alarm
     """
 
     optimizer: object
@@ -45,7 +45,6 @@ class RunView:
     gradient_module: Callable[[], Optional[torch.nn.Module]]
     accountant: object
     note_problem: Callable[[str, str, int], None]
-    note: Callable[[str, str], None]
     other_optimizers: list = field(default_factory=list)
 
 
