@@ -3,8 +3,13 @@
 Each run trains the digits CNN with Opacus's own DPOptimizer under a PrivacyAuditor at
 default settings (alarm checked after every step) with its own seed, except that the exact
 data-path checks run at step 1 and every 100 steps without their time budget (FULL_CADENCE: every
-step the default may check is checked); any exact finding on these correct runs is counted. The same runs are
-also judged by the naive rule the alarm replaces: fixed-sample 95% Clopper-Pearson mu
+step the default may check is checked); any exact finding on these correct runs is counted. The run
+checks see what a user following the guides gives them: the loader the loop iterates (data_loader=,
+or watch_loader for BatchMemoryManager's), or under Lightning what DPAuditCallback reads itself; every
+run samples as make_private(poisson_sampling=True) does, so any pipeline finding (sampling,
+multiplicity, coupled_examples, outside_dp) on these runs is counted as false, with its message. The
+run checks' status line of the first run (its lowest seed) is printed, to show what they compared. The same
+runs are also judged by the naive rule the alarm replaces: fixed-sample 95% Clopper-Pearson mu
 bounds for the pool and each tensor, recomputed after every step.
 
     .venv/bin/python bench/false_alarms.py [--runs 200] [--steps 1000] [--workers 2] [--mode MODE] [--first-run K]
@@ -18,14 +23,27 @@ Modes (the naive rule is replayed for `hooks` only):
   paired      the same, hooks, the audit in paired mode
   adaclip     the same under AdaClipDPOptimizer (clipping="adaptive", its count noised at 2 sigma)
   mislabeled  the same, hooks, input canaries (held-out digits with wrong labels)
-  ddp         two processes (gloo, 127.0.0.1) training an MLP with Opacus's DistributedDPOptimizer,
-              fixed batches; runs one after another in the same two processes (--workers ignored)
   blank, adversarial, crafted   the same, hooks, the other input canary kinds
+  bmm         the digits CNN, hooks, under Opacus's BatchMemoryManager (physical batches of at most
+              16 for the expected 64), its memory-safe loader given to watch_loader and the step's
+              loss as training_loss
+  lightning   the digits CNN as a LightningModule (lightning_dpaudit.app.demo's PrivateDigitsModule:
+              make_private in configure_optimizers) on Opacus's DPLightningDataModule (batches of 64
+              of the demo's 1,500 training digits), audited by DPAuditCallback with its default
+              options (its own seed per run) but FULL_CADENCE; counted from callback.auditor.result()
+  ddp         two processes (gloo, 127.0.0.1) training an MLP under DPDDP with Opacus's
+              DistributedDPOptimizer, Poisson sampling as make_private(poisson_sampling=True) gives
+              it there (a DPDataLoader over DistributedUniformWithReplacementSampler, each rank its
+              shard and generator), the loader given as data_loader and the model as module= (as
+              examples/ddp_torchrun.py does); runs one after another in the same two processes
+              (--workers ignored)
   ghost       the token classifier of tests/ghost_setups.py (Embedding, Linear on flattened
-              tokens, LayerNorm) under Opacus's ghost clipping
+              tokens, LayerNorm) under Opacus's ghost clipping, Poisson sampling, the loader and
+              model given as data_loader and module=
   adaptive-ghost  the same under PrivacyEngineAdaptiveClipping (the bound moves after each step)
   fsdp        two processes training the token classifier under Opacus's FSDP2Wrapper and
               grad_sample_mode="ghost_fsdp" (the exact checks are off there); as ddp otherwise
+              (tests/ddp_scenarios.py's false_alarms, setup "fsdp")
 """
 
 import argparse
@@ -35,10 +53,22 @@ from multiprocessing import Pool
 import numpy as np
 from scipy.stats import beta, norm
 
+from lightning_dpaudit.analysis.results import PIPELINE_CODES
 from lightning_dpaudit.testing import train_audited
 
 FULL_CADENCE = dict(per_sample_check_budget=1.0)  # the exact checks at every due step, whatever they cost
 EXACT_CODES = {"per_sample_gradients", "clipped_sum", "claim_unaccounted"}  # the data path's exact checks
+PHYSICAL_BATCH = 16  # bmm: BatchMemoryManager's max_physical_batch_size (the expected batch is 64)
+
+
+def _outcome(seed, result, naive=None) -> dict:
+    """A run's outcome: whether the alarm ever fired, the naive rule's verdict (hooks only), the exact data-path
+    findings (and the audit's own failure), the run checks' findings as (code, message, step) and status line."""
+    exact = sorted({f.code for f in result.findings} & EXACT_CODES)
+    return {"seed": seed, "violation": bool(result.violation), "naive": naive,
+            "exact": exact + ([] if result.audit_failed is None else ["audit_failed"]),
+            "pipeline": [(f.code, f.message, f.first_step) for f in result.findings if f.code in PIPELINE_CODES],
+            "status": result.pipeline}
 
 
 def _naive_alarm(obs: dict, claimed: float) -> bool:
@@ -73,11 +103,76 @@ def _run_ghost(seed, steps, sigma, adaptive=False):
 
     from lightning_dpaudit import PrivacyAuditor
 
-    module, optimizer, criterion, loader = make_ghost(seed=10_000 + seed, noise_multiplier=sigma, adaptive=adaptive)
-    auditor = PrivacyAuditor(optimizer, seed=10_000 + seed, on_violation=lambda result: None, **FULL_CADENCE)
+    module, optimizer, criterion, loader = make_ghost(seed=10_000 + seed, noise_multiplier=sigma, adaptive=adaptive,
+                                                     poisson_sampling=True)
+    auditor = PrivacyAuditor(optimizer, module=module, seed=10_000 + seed, on_violation=lambda result: None,
+                             data_loader=loader, **FULL_CADENCE)
     train_ghost(module, optimizer, criterion, loader, steps)
     result = auditor.result()
-    return result.violation, None, sorted({f.code for f in result.findings} & EXACT_CODES)
+    auditor.detach()
+    return _outcome(seed, result)
+
+
+def _run_bmm(seed, steps, sigma):
+    """Hooks under BatchMemoryManager: each step's Poisson batch split into physical batches of PHYSICAL_BATCH, as
+    Opacus's guides write the loop (a new memory-safe loader each epoch, handed to the audit)."""
+    import torch
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    from lightning_dpaudit import PrivacyAuditor, make_private_digits
+
+    model, optimizer, loader, engine = make_private_digits(noise_multiplier=sigma, seed=10_000 + seed, batch_size=64)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    auditor = PrivacyAuditor(optimizer, module=model, seed=10_000 + seed, check_every=1,
+                             on_violation=lambda result: None,
+                             training_loss=lambda batch: loss_fn(model(batch[0]), batch[1]), **FULL_CADENCE)
+
+    def noised_steps():  # the accountant's count: physical batches that only accumulate are not steps
+        return sum(entry[-1] for entry in engine.accountant.history)
+
+    while noised_steps() < steps:
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=PHYSICAL_BATCH,
+                                optimizer=optimizer) as memory_safe_loader:
+            auditor.watch_loader(memory_safe_loader)
+            for images, labels in memory_safe_loader:
+                optimizer.zero_grad()
+                loss_fn(model(images), labels).backward()
+                optimizer.step()
+                if noised_steps() >= steps:
+                    break
+    result = auditor.result()
+    auditor.detach()
+    return _outcome(seed, result)
+
+
+def _run_lightning(seed, steps, sigma):
+    """The digits CNN as a LightningModule (make_private in configure_optimizers) on DPLightningDataModule, under
+    DPAuditCallback; Lightning's and the callback's printed output (its report's table) is kept out of the bench's."""
+    import contextlib
+    import io
+    import logging
+    import tempfile
+
+    import pytorch_lightning as pl
+    import torch
+    from opacus.lightning import DPLightningDataModule
+
+    from lightning_dpaudit import DPAuditCallback
+    from lightning_dpaudit.app.demo import DigitsDataModule, PrivateDigitsModule
+
+    for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    pl.seed_everything(10_000 + seed, verbose=False)
+    datamodule = DPLightningDataModule(DigitsDataModule(batch_size=64),
+                                       generator=torch.Generator().manual_seed(10_000 + seed))
+    module = PrivateDigitsModule(noise_multiplier=sigma, lr=0.1)
+    callback = DPAuditCallback(seed=10_000 + seed, **FULL_CADENCE)
+    with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()):
+        trainer = pl.Trainer(max_steps=steps, callbacks=[callback], accelerator="cpu", devices=1, logger=False,
+                             default_root_dir=root, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(module, datamodule=datamodule)
+    return _outcome(seed, callback.auditor.result())
 
 
 ADAPTIVE = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.01,
@@ -103,23 +198,31 @@ def _run(args):
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    if mode in OWN_LOOPS:
+        return OWN_LOOPS[mode](seed, steps, sigma)
     from lightning_dpaudit.engine.options import DEFAULT_GRADIENT_CANARIES
 
     if mode != "hooks":
         result = train_audited(steps=steps, noise_multiplier=sigma, seed=10_000 + seed, **FULL_CADENCE,
                                **DIGITS_MODES[mode])
-        failed = [] if result.audit_failed is None else ["audit_failed"]
-        return result.violation, None, sorted({f.code for f in result.findings} & EXACT_CODES) + failed
+        return _outcome(seed, result)
     result, obs = train_audited(
         steps=steps, noise_multiplier=sigma, seed=10_000 + seed, return_observations=True,
         observation_window=steps * DEFAULT_GRADIENT_CANARIES,  # the naive rule replays every observation
         **FULL_CADENCE,
     )
-    exact = sorted({f.code for f in result.findings} & EXACT_CODES)  # certainties: any is a false finding here
-    return result.violation, _naive_alarm(obs, result.mu_claimed), exact
+    # exact and pipeline findings are certainties (or tests with their own small budgets): any is false here
+    return _outcome(seed, result, naive=_naive_alarm(obs, result.mu_claimed))
 
 
-SCRIPTS = {"ddp": "ddp_scenarios.py", "fsdp": "sharded_scenarios.py"}  # the two-process modes' scenario scripts
+OWN_LOOPS = {"bmm": _run_bmm, "lightning": _run_lightning}  # modes with a loop of their own
+SETUPS = ("ddp", "fsdp")  # the two-process modes: ddp_scenarios.py's false_alarms with this setup
+
+
+def _pipeline_lines(found: list) -> str:
+    """The pipeline findings of the runs that had any: seed, then each finding's code, step and message."""
+    return "".join(f"\n  run {seed}: {code} at step {step}: {message}" for seed, findings in found
+                   for code, message, step in findings)
 
 
 def _ddp(args, runs, start):
@@ -132,28 +235,42 @@ def _ddp(args, runs, start):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from ddp_scenarios import launch
 
-    alarms, exact, failed, disagree = 0, [], [], 0
+    alarms, exact, pipeline, failed, disagree, status = 0, [], [], [], 0, None
     for done in range(0, len(runs), 10):
         seeds = list(runs[done:done + 10])
         with tempfile.TemporaryDirectory() as out:
             ranks = launch("false_alarms", Path(out), timeout=60.0 * len(seeds) * max(1, args.steps // 100),
-                           script=SCRIPTS[args.mode], seeds=seeds, steps=args.steps, sigma=args.sigma)
+                           seeds=seeds, steps=args.steps, sigma=args.sigma, setup=args.mode)
         for seed, outcome, other in zip(seeds, ranks[0]["outcomes"], ranks[1]["outcomes"]):
             disagree += outcome["violation"] != other["violation"]
             alarms += outcome["violation"] or other["violation"]
             codes = sorted(set(outcome["codes"] + other["codes"]) & EXACT_CODES)
             if codes:
                 exact.append((seed, codes))
+            found = [(f"rank {r}: {code}", message, step) for r, o in enumerate((outcome, other))
+                     for code, message, step in o["pipeline_findings"]]
+            if found:
+                pipeline.append((seed, found))
             if outcome["audit_failed"] or other["audit_failed"]:
                 failed.append(seed)
+            if status is None:
+                status = (seed, outcome["pipeline"])
         print(f"  {done + len(seeds)}/{args.runs} runs, {alarms} alarms, {len(exact)} with exact findings, "
-              f"{len(failed)} audits failed", flush=True)
+              f"{len(pipeline)} with pipeline findings, {len(failed)} audits failed", flush=True)
     print(f"mode={args.mode} runs={args.runs} (from run {args.first_run}) steps={args.steps} sigma={args.sigma} "
           f"({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%); "
           f"ranks disagreeing: {disagree}; audits failed: {len(failed)}")
     print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
           f"{exact or ''}")
+    _print_pipeline(pipeline, args.runs, status)
+
+
+def _print_pipeline(found: list, runs: int, status) -> None:
+    print(f"pipeline findings ({', '.join(PIPELINE_CODES)}): {len(found)}/{runs} runs "
+          f"{[(seed, sorted({code for code, _, _ in f})) for seed, f in found] or ''}{_pipeline_lines(found)}")
+    if status is not None:
+        print(f"run checks of run {status[0]} (rank 0 where several): {status[1]}")
 
 
 def main():
@@ -164,28 +281,33 @@ def main():
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--first-run", type=int, default=0,
                         help="the first run's index (its seed); a long measurement can be taken in parts")
-    parser.add_argument("--mode", choices=["hooks", "ghost", "adaptive-ghost", *SCRIPTS, *DIGITS_MODES], default="hooks")
+    parser.add_argument("--mode", choices=["hooks", "ghost", "adaptive-ghost", *OWN_LOOPS, *SETUPS, *DIGITS_MODES],
+                        default="hooks")
     args = parser.parse_args()
     start = time.perf_counter()
     runs = range(args.first_run, args.first_run + args.runs)  # each run's seed
-    if args.mode in SCRIPTS:
+    if args.mode in SETUPS:
         return _ddp(args, runs, start)
     jobs = [(seed, args.steps, args.sigma, args.mode) for seed in runs]
     with Pool(args.workers) as pool:
         outcomes = []
         for i, outcome in enumerate(pool.imap_unordered(_run, jobs), 1):
             outcomes.append(outcome)
-            if i % 10 == 0:
-                print(f"  {i}/{args.runs} runs, {sum(o[0] for o in outcomes)} alarms, "
-                      f"{sum(bool(o[2]) for o in outcomes)} with exact findings", flush=True)
-    alarms = sum(o[0] for o in outcomes)
-    exact = [o[2] for o in outcomes if o[2]]
-    naive = [o[1] for o in outcomes if o[1] is not None]
+            if i % 10 == 0 or i == args.runs:
+                print(f"  {i}/{args.runs} runs, {sum(o['violation'] for o in outcomes)} alarms, "
+                      f"{sum(bool(o['exact']) for o in outcomes)} with exact findings, "
+                      f"{sum(bool(o['pipeline']) for o in outcomes)} with pipeline findings", flush=True)
+    outcomes.sort(key=lambda o: o["seed"])
+    alarms = sum(o["violation"] for o in outcomes)
+    exact = [(o["seed"], o["exact"]) for o in outcomes if o["exact"]]
+    naive = [o["naive"] for o in outcomes if o["naive"] is not None]
     print(f"mode={args.mode} runs={args.runs} (from run {args.first_run}) steps={args.steps} sigma={args.sigma} "
           f"({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%)")
     print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
           f"{exact or ''}")
+    _print_pipeline([(o["seed"], o["pipeline"]) for o in outcomes if o["pipeline"]], args.runs,
+                    (outcomes[0]["seed"], outcomes[0]["status"]) if outcomes else None)
     if naive:
         print(f"naive repeated CP checks: {sum(naive)}/{len(naive)} = {sum(naive) / len(naive):.1%} false alarms")
 
