@@ -470,3 +470,17 @@ def test_duplicate_records_are_a_note_naming_their_count():
     note = next(n for n in result.notes if n.startswith("multiplicity: "))
     assert int(note.split()[1]) == auditor.run_checks.sampling.duplicates > 0
     assert "duplicate records in the data" in note and not result.violation
+
+
+def test_an_error_of_the_run_checks_never_ends_the_training_loop(monkeypatch):
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("run checks broke")
+
+    monkeypatch.setattr(auditor.run_checks.multiplicity, "accumulated", broken)
+    monkeypatch.setattr(auditor.run_checks.sampling, "batch", broken)
+    with pytest.warns(RuntimeWarning, match="run checks broke"):
+        _train(model, optimizer, loader, 3)
+    assert auditor.steps == 3

@@ -19,6 +19,9 @@ warnings.filterwarnings("ignore", message=".*Full backward hook.*")
 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
 
 
+LOADER = object()  # stands for the loop's own loader in an audit's options
+
+
 def _setup(grad_sample_mode: str, noise_generator: bool):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
@@ -37,7 +40,10 @@ def _setup(grad_sample_mode: str, noise_generator: bool):
 
 def _trained(grad_sample_mode: str, noise_generator: bool, audit=None) -> list:
     module, optimizer, criterion, loader = _setup(grad_sample_mode, noise_generator)
-    auditor = None if audit is None else PrivacyAuditor(optimizer, seed=3, **audit(module))
+    options = {} if audit is None else audit(module)
+    if options.get("data_loader") is LOADER:  # the run checks watching the loop's loader, replaying its loss
+        options.update(data_loader=loader, training_loss=lambda batch: criterion(module(batch[0]), batch[1]))
+    auditor = None if audit is None else PrivacyAuditor(optimizer, seed=3, **options)
     torch.manual_seed(11)  # dropout, and the noise when the optimizer has no generator of its own
     for _ in range(2):
         for x, y in loader:
@@ -60,6 +66,8 @@ AUDITS = {
     "dirac one-run": lambda module: dict(canaries_per_step=64, per_sample_check_every=1, per_sample_check_budget=1.0),
     "dirac paired": lambda module: dict(canaries_per_step=64, mode="paired", per_sample_check_every=1, per_sample_check_budget=1.0),
     "constant": lambda module: dict(canary="constant", canaries_per_step=16),
+    "run checks replaying the step": lambda module: dict(module=module, data_loader=LOADER, canaries_per_step=64,
+                                                         per_sample_check_every=1, per_sample_check_budget=1.0),
     "mislabeled": _inputs("mislabeled"),
     "blank": _inputs("blank"),
     "adversarial": _inputs("adversarial"),

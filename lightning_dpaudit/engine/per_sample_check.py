@@ -129,7 +129,12 @@ class PerSampleCheck:
         """The optimizer's accumulation of a physical batch (on the instance) first feeds the ledger at checked steps."""
         def accumulate(*args, **kwargs):
             if not self.replaying and self.on_accumulate is not None:
-                self.on_accumulate()
+                try:
+                    self.on_accumulate()
+                except Exception as error:  # the run checks' failure never ends training
+                    self.on_accumulate = None
+                    warnings.warn(f"the run checks stopped counting rows: {type(error).__name__}: {error}",
+                                  RuntimeWarning, stacklevel=2)
             if not self.replaying and self.ledger is not None and self.due(self.steps()):
                 with self.budget.timed():
                     try:

@@ -3,22 +3,30 @@
 The loader's class is swapped, on this instance only, for a subclass whose `__iter__` hands
 each batch to `seen(batch)` before yielding it unchanged (a `for` loop looks `__iter__` up on
 the class, so an instance attribute would not be called); `restore()` gives the instance its
-class back.
+class back. An error of `seen` never reaches the training loop: it is warned once, and the
+loader is no longer watched.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 
 class WatchedLoader:
     def __init__(self, loader, seen: Callable):
         self.loader, self.original = loader, type(loader)
-        original = self.original
+        self.failed = None  # the error that stopped the watching, if one did
+        original, watcher = self.original, self
 
         def __iter__(self):
             for batch in original.__iter__(self):
-                seen(batch)
+                if watcher.failed is None:
+                    try:
+                        seen(batch)
+                    except Exception as error:  # the audit's own failure never ends training
+                        watcher.failed = f"{type(error).__name__}: {error}"
+                        warnings.warn(f"the run checks stopped watching the loader: {watcher.failed}", RuntimeWarning)
                 yield batch
 
         watched = type(original.__name__, (original,), {"__iter__": __iter__, "__module__": original.__module__,
