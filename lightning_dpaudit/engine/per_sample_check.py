@@ -133,8 +133,7 @@ class PerSampleCheck:
                     self.on_accumulate()
                 except Exception as error:  # the run checks' failure never ends training
                     self.on_accumulate = None
-                    warnings.warn(f"the run checks stopped counting rows: {type(error).__name__}: {error}",
-                                  RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"the run checks stopped counting rows: {error!r}", RuntimeWarning, stacklevel=2)
             if not self.replaying and self.ledger is not None and self.due(self.steps()):
                 with self.budget.timed():
                     try:
@@ -238,8 +237,7 @@ class PerSampleCheck:
                 return
 
     def _replay_further(self, step: int) -> bool:
-        """The further replays of the step (run_checks/coupling.py), with Opacus's hooks off; True when one found the
-        examples coupled: no example then has a gradient of its own to compare Opacus's with."""
+        """The further replays (run_checks/coupling.py), hooks off; True if the examples are coupled (nothing to compare)."""
         if not self.further:
             return False
         with self._replaying():
