@@ -36,6 +36,18 @@ class Call:
     buffers: list = field(default_factory=list)  # the module's buffers before the forward pass (when replays need them)
 
 
+def buffer_values(module: torch.nn.Module) -> list:
+    """A copy of the module's buffers, to put back with set_buffers."""
+    return [b.detach().clone() for b in module.buffers()]
+
+
+def set_buffers(module: torch.nn.Module, values: list) -> None:
+    """The module's buffers set to `values` (buffer_values of the same module), in place."""
+    with torch.no_grad():
+        for b, value in zip(module.buffers(), values):
+            b.copy_(value)
+
+
 def captured(args, kwargs) -> Call:
     """A forward pass about to run on (args, kwargs): its inputs, torch's RNG states and autocast regions."""
     devices = sorted({t.device.index for t in tensors((args, kwargs)) if t.device.type == "cuda"})

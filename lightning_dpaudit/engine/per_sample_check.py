@@ -37,7 +37,8 @@ import torch
 
 from .check_budget import CheckBudget
 from .forward_replay import (
-    EPS32, Call, captured, keep_output, precision, replay_forward, same_rows, sliced, smallest_module_holding,
+    EPS32, Call, buffer_values, captured, keep_output, precision, replay_forward, same_rows, set_buffers, sliced,
+    smallest_module_holding,
 )
 from .instance_patch import InstancePatch
 
@@ -176,7 +177,7 @@ class PerSampleCheck:
         if self.replaying or not self.due(self.steps()) or not (module.training and torch.is_grad_enabled()):
             return None
         call = captured(args, kwargs)
-        call.buffers = [b.detach().clone() for b in module.buffers()]  # a replay starts from them
+        call.buffers = buffer_values(module)  # a replay starts from them
         self.calls.append(call)
         return None
 
@@ -314,7 +315,7 @@ class PerSampleCheck:
         """Opacus's hooks off and nothing captured while the check runs the model; the buffers put back after."""
         gsm = self.module()
         was_enabled = getattr(gsm, "hooks_enabled", False)
-        buffers = [(b, b.detach().clone()) for b in self.target.buffers()]
+        buffers = buffer_values(self.target)
         self.replaying = True
         try:
             if was_enabled:
@@ -327,9 +328,7 @@ class PerSampleCheck:
             self.replaying = False
             if was_enabled:
                 gsm.enable_hooks()
-            with torch.no_grad():
-                for b, copy in buffers:
-                    b.copy_(copy)
+            set_buffers(self.target, buffers)
 
     def _expected(self, call: Call, gsm) -> list:
         """The replay, then one backward pass per chosen example, scaled as Opacus scales its backprops."""
@@ -363,9 +362,7 @@ class PerSampleCheck:
 
     def _forward(self, call: Call, args, kwargs) -> list:
         """The target's forward pass from the call's state: its RNG states, and its buffers as they were before it."""
-        with torch.no_grad():
-            for b, value in zip(self.target.buffers(), call.buffers):
-                b.copy_(value)
+        set_buffers(self.target, call.buffers)
         return replay_forward(self.target, call, args, kwargs)
 
     def close(self) -> None:

@@ -52,7 +52,6 @@ class RunChecks:
         self.due = due  # whether the exact checks compare at a (0-based) step: the coupling replay runs with them
         self.busy = busy  # the audit itself is running the model (canaries, replays): nothing of it is the data's
         self.steps = 0  # noised steps so far
-        self.records: Optional[int] = 0  # records delivered since the last noised step (None: unknown)
         self.watched: Optional[WatchedLoader] = None
         self.view = view
 
@@ -93,7 +92,6 @@ class RunChecks:
         """A batch the loader delivered for the coming step; `step_fn(batch)` replays its training step's loss."""
         self._watch_model()
         records = records_in(batch)
-        self.records = None if records is None or self.records is None else self.records + records
         self.sampling.batch(batch, records)
         self.multiplicity.batch_records(records)
         self.coupling.batch(batch, step_fn, due=self.due(self.steps))
@@ -112,9 +110,8 @@ class RunChecks:
         """A noised step, before its canaries."""
         self._watch_model()
         self.steps += 1
-        seen = self.records if self.multiplicity.fed and self.records else None
-        self.sampling.records(seen if seen is not None else self.multiplicity.rows, self.steps)
-        self.records = 0
+        delivered = self.multiplicity.records if self.multiplicity.fed else None  # the loader's count, else the rows
+        self.sampling.records(delivered or self.multiplicity.rows, self.steps)
         for check in self.checks:
             check.step(self.steps)
 

@@ -34,7 +34,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..forward_replay import captured, keep_output, replay_forward, same_rows, smallest_module_holding, tensors
+from ..forward_replay import (
+    buffer_values, captured, keep_output, replay_forward, same_rows, set_buffers, smallest_module_holding, tensors,
+)
 from .base import DOES_NOT_DESCRIBE, RunCheck, records_in
 from .outside_dp import CODE as OUTSIDE_DP, listed
 
@@ -147,7 +149,7 @@ class CouplingCheck(RunCheck):
         if self.depth > 1 or self.busy() or not (module.training and torch.is_grad_enabled()) or not self.due():
             return None
         self.call, self.root = captured(args, kwargs), module
-        self.call.buffers = [b.detach().clone() for b in module.buffers()]
+        self.call.buffers = buffer_values(module)
         return None
 
     def _after(self, module, args, kwargs, output):
@@ -163,7 +165,7 @@ class CouplingCheck(RunCheck):
         """Keep the batch (a reference) and, at a checked step, the RNG states its training step starts from."""
         self.last_batch, self.step_fn = batch, step_fn
         self.states = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if due else None
-        self.step_buffers = [b.detach().clone() for b in self._step_module().buffers()] if due else None
+        self.step_buffers = buffer_values(self._step_module()) if due else None
 
     def _step_module(self) -> torch.nn.Module:
         """The module whose buffers a training step may update: the module trained (the LightningModule), else the
@@ -179,23 +181,21 @@ class CouplingCheck(RunCheck):
         call, self.call = self.call, None
         if call is None or not call.grads or len(self.found) == 2:
             return False
-        target, forward = self.root, lambda c, a, k: replay_forward(self.root, c, a, k)
-        keep = np.asarray(call.chosen)
+        target, keep = self.root, np.asarray(call.chosen)
         rows = torch.as_tensor(keep, device=next(iter(call.outputs.values())).device)
-        pre, post = call.buffers, [b.detach().clone() for b in target.buffers()]
+        pre, post = call.buffers, buffer_values(target)
         sources = replacements(keep, call.batch, self.rng)
         if not sources:
             self.skipped = f"a batch of {call.batch} example(s) has no others to replace"
             return False
         try:
-            control = self._forward(call, target, forward, (call.args, call.kwargs), pre, rows)
+            control = self._forward(call, (call.args, call.kwargs), pre, rows)
             if not all(j < len(control[0]) and same_rows(control[0][j][rows], out) for j, out in call.outputs.items()):
                 self.skipped = "a replay of the batch as it was does not give the recorded outputs"
                 return False
             self.compared += 1
             for source in sources:
-                changed = self._forward(call, target, forward, reindexed((call.args, call.kwargs), source, call.batch),
-                                        pre, rows)
+                changed = self._forward(call, reindexed((call.args, call.kwargs), source, call.batch), pre, rows)
                 self._buffers(target, post, control[2], changed[2], step)
                 moved = [j for j, out in call.outputs.items()
                          if j >= len(changed[0]) or not same_rows(changed[0][j][rows], out)]
@@ -207,22 +207,19 @@ class CouplingCheck(RunCheck):
                                        "the batch, inputs mixed across it), so clipping it bounds nothing about one "
                                        "record", step)
         finally:
-            with torch.no_grad():
-                for b, value in zip(target.buffers(), post):
-                    b.copy_(value)
+            set_buffers(target, post)
         return self._training_step(call, target, rows, step, sources)  # from the buffers as the real step left them
 
-    def _forward(self, call, target, forward, inputs, pre, rows):
-        """(output leaves, module rows, buffers after) of one forward pass of the target from the buffers `pre`."""
-        with torch.no_grad():
-            for b, value in zip(target.buffers(), pre):
-                b.copy_(value)
+    def _forward(self, call, inputs, pre, rows):
+        """(output leaves, module rows, buffers after) of one forward pass of the hooked model from the buffers `pre`."""
+        target = self.root
+        set_buffers(target, pre)
         recorder = ModuleRows(target, rows, call.batch)
         try:
-            leaves = forward(call, *inputs)
+            leaves = replay_forward(target, call, *inputs)
         finally:
             recorder.close()
-        return leaves, recorder.seen, [b.detach().clone() for b in target.buffers()]
+        return leaves, recorder.seen, buffer_values(target)
 
     def _buffers(self, target, post, control, changed, step) -> None:
         names = [n for n, _ in target.named_buffers()]
@@ -242,7 +239,7 @@ class CouplingCheck(RunCheck):
             self.skipped = "the model's batch is not the loader's (its rows cannot be matched to records)"
             return False
         module = self._step_module()
-        post = [b.detach().clone() for b in module.buffers()]
+        post = buffer_values(module)
         try:
             control = self._step(step_fn, self.last_batch, target, rows, call, module)
             if control is None or not self._matches(control[:2], call.outputs, call.grads):
@@ -251,9 +248,7 @@ class CouplingCheck(RunCheck):
             steps = [self._step(step_fn, reindexed(self.last_batch, source, call.batch), target, rows, call, module)
                      for source in sources]
         finally:
-            with torch.no_grad():
-                for b, value in zip(module.buffers(), post):
-                    b.copy_(value)
+            set_buffers(module, post)
         where = None
         for changed in steps:
             if changed is None:
@@ -277,9 +272,7 @@ class CouplingCheck(RunCheck):
         torch_state, numpy_state, python_state = self.states
         captured = []
         handle = target.register_forward_hook(lambda m, a, out: captured.append(out) if not captured else None)
-        with torch.no_grad():
-            for b, value in zip(module.buffers(), self.step_buffers):
-                b.copy_(value)
+        set_buffers(module, self.step_buffers)
         numpy_now, python_now = np.random.get_state(), random.getstate()
         try:
             with torch.random.fork_rng(devices=[]), torch.enable_grad():
@@ -300,7 +293,7 @@ class CouplingCheck(RunCheck):
         grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
         outs = {j: leaf.detach()[rows] for j, leaf in wanted.items()}
         got = {j: (torch.zeros_like(leaf[rows]) if g is None else g.detach()[rows]) for (j, leaf), g in zip(wanted.items(), grads)}
-        return outs, got, [b.detach().clone() for b in module.buffers()]
+        return outs, got, buffer_values(module)
 
     @staticmethod
     def _matches(result, outputs, grads) -> bool:  # result: (outputs, gradients) of a replayed training step

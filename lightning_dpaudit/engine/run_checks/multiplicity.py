@@ -91,7 +91,6 @@ class MultiplicityCheck(RunCheck):
         self.compared = 0
         self.fed = False  # batches reach the check (a loader or the callback feeds it)
         self.found = False
-        self.duplicates = 0
 
     def loader(self, loader) -> None:
         problem = concatenated_copies(getattr(loader, "dataset", None))
