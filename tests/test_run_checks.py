@@ -242,6 +242,27 @@ def test_a_dataset_concatenated_with_transformed_copies_of_itself_is_flagged_at_
     assert _codes(result) == [("multiplicity", 0)] and "parts 0 (TensorDataset) and 1 (Flipped)" in result.findings[0].message
 
 
+def test_a_tensor_dataset_stacked_with_its_mirror_images_is_flagged_at_attach():
+    images, labels = digits_dataset().tensors
+    stacked = TensorDataset(torch.cat([images, images.flip(-1)]), torch.cat([labels, labels]))  # one tensor: no parts
+    model, optimizer, loader = _private(DigitsCNN(), stacked)
+    result = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1).result()
+    assert _codes(result) == [("multiplicity", 0)]
+    assert "3594 of the 3594 rows of the training data are other rows mirrored left-right" in result.findings[0].message
+
+
+def test_mirror_images_are_found_exactly_and_a_few_are_not_a_finding():
+    from lightning_dpaudit.engine.run_checks.dataset_copies import find_copies, mirrored_finding
+
+    images = digits_dataset().tensors[0]
+    assert (find_copies(images).mirrored, find_copies(images).duplicates) == (0, 0)  # the digits hold no copies
+    upside_down = find_copies(torch.cat([images, images[:300].flip(-2)]))
+    assert (upside_down.mirrored, upside_down.axis, upside_down.duplicates) == (600, "top-bottom", 0)
+    assert mirrored_finding(find_copies(torch.cat([images, images[:5].flip(-1)]))) is None  # 10 of 1802: under 1%
+    symmetric = torch.zeros(20, 1, 8, 8)  # equal to their own mirror images: duplicates, not mirrored copies
+    assert (find_copies(symmetric).mirrored, find_copies(symmetric).duplicates) == (0, 19)
+
+
 # ------------------------------------------------------------------ independence
 
 
@@ -460,16 +481,42 @@ def test_lightning_a_buffer_updated_in_training_step_is_outside_dp(tmp_path):
     assert seen and _codes(result)[0] == ("outside_dp", 1) and "`prior`" in result.findings[0].message
 
 
-def test_duplicate_records_are_a_note_naming_their_count():
+def test_duplicate_records_in_a_tensor_dataset_are_a_note_naming_their_count():
     images, labels = digits_dataset().tensors
     doubled = TensorDataset(torch.cat([images, images]), torch.cat([labels, labels]))  # every record twice
+    model, optimizer, loader = _private(DigitsCNN(), doubled)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
+    _train(model, optimizer, loader, 5)
+    result = auditor.result()
+    assert [n for n in result.notes if n.startswith("multiplicity: ")] == [
+        "multiplicity: 1797 row(s) of the training data equal to another of its rows: duplicate records, or copies "
+        "(the claim is one record per person)"]
+    assert not result.violation
+
+
+class Rows(torch.utils.data.Dataset):
+    """The same rows, behind a dataset the scan does not open."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        return self.base[i]
+
+
+def test_duplicate_records_seen_in_batches_are_a_note_naming_their_count():
+    images, labels = digits_dataset().tensors
+    doubled = Rows(TensorDataset(torch.cat([images, images]), torch.cat([labels, labels])))
     model, optimizer, loader = _private(DigitsCNN(), doubled)
     auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
     _train(model, optimizer, loader, 40)
     result = auditor.result()
     note = next(n for n in result.notes if n.startswith("multiplicity: "))
     assert int(note.split()[1]) == auditor.run_checks.sampling.duplicates > 0
-    assert "duplicate records in the data" in note and not result.violation
+    assert "equal to another row of their batch" in note and not result.violation
 
 
 def test_an_error_of_the_run_checks_never_ends_the_training_loop(monkeypatch):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from .base import PIPELINE_CODES, RunView, records_in
+from .base import PIPELINE_CODES, RunView, batch_tensors, records_in
 from .coupling import CouplingCheck
 from .multiplicity import MultiplicityCheck
 from .outside_dp import OutsideDPCheck
@@ -71,10 +71,15 @@ class RunChecks:
             self.watch(loader)
 
     def notes(self) -> list:
-        """(code, message) said beside the result, no alarm: rows equal to another row of their batch."""
-        duplicates = self.sampling.duplicates
-        return [("multiplicity", f"{duplicates} row(s) equal to another row of their batch: duplicate records in the "
-                 "data, or copies (the claim is one record per person)")] if duplicates else []
+        """(code, message) said beside the result, no alarm: rows equal to another row of their batch or of the data."""
+        notes, in_data, in_batches = [], self.multiplicity.dataset_duplicates, self.sampling.duplicates
+        if in_data:
+            notes.append(("multiplicity", f"{in_data} row(s) of the training data equal to another of its rows: duplicate "
+                          "records, or copies (the claim is one record per person)"))
+        if in_batches and not in_data:
+            notes.append(("multiplicity", f"{in_batches} row(s) equal to another row of their batch: duplicate records in "
+                          "the data, or copies (the claim is one record per person)"))
+        return notes
 
     def loader(self, loader) -> None:
         """The training loader, when it becomes known (the callback reads the Trainer's)."""
@@ -91,8 +96,9 @@ class RunChecks:
     def batch(self, batch, step_fn: Optional[Callable] = None) -> None:
         """A batch the loader delivered for the coming step; `step_fn(batch)` replays its training step's loss."""
         self._watch_model()
-        records = records_in(batch)
-        self.sampling.batch(batch, records)
+        tensors = batch_tensors(batch)
+        records = records_in(batch, tensors)
+        self.sampling.batch(tensors, records)
         self.multiplicity.batch_records(records)
         self.coupling.batch(batch, step_fn, due=self.due(self.steps))
 

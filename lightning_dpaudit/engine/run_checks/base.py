@@ -67,27 +67,32 @@ class RunCheck:
         return ""
 
 
-def batch_tensors(batch):
+def batch_tensors(batch) -> list:
     """The tensors of a loader's batch (tensors, tuples, lists, dicts, objects with tensor attributes such as
-    Hugging Face's BatchEncoding)."""
+    Hugging Face's BatchEncoding), in order."""
     if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (tuple, list)):
-        for b in batch:
-            yield from batch_tensors(b)
-    elif isinstance(batch, dict) or hasattr(batch, "items"):
-        for b in batch.values():
-            yield from batch_tensors(b)
+        return [batch]
+    if isinstance(batch, (tuple, list)):
+        if all(isinstance(b, torch.Tensor) for b in batch):  # the common (inputs, labels)
+            return list(batch)
+        return [t for b in batch for t in batch_tensors(b)]
+    if isinstance(batch, dict) or hasattr(batch, "items"):
+        return [t for b in batch.values() for t in batch_tensors(b)]
+    return []
 
 
-def records_in(batch) -> Optional[int]:
-    """The number of records in a loader's batch: the leading size most of its tensors share (None when no size does)."""
-    sizes = Counter(t.shape[0] for t in batch_tensors(batch) if t.dim() > 0).most_common(2)
-    if not sizes or (len(sizes) > 1 and sizes[0][1] == sizes[1][1]):
+def records_in(batch, tensors: Optional[list] = None) -> Optional[int]:
+    """The number of records in a loader's batch: the leading size most of its tensors share (None when no size does).
+    `tensors`: the batch's tensors (batch_tensors), when already listed."""
+    sizes = [t.shape[0] for t in (batch_tensors(batch) if tensors is None else tensors) if t.dim() > 0]
+    if sizes and sizes.count(sizes[0]) == len(sizes):
+        return sizes[0]
+    common = Counter(sizes).most_common(2)
+    if not common or (len(common) > 1 and common[0][1] == common[1][1]):
         return None  # no tensor, or no size most tensors share (a sequence-first layout): unknown
-    return sizes[0][0]
+    return common[0][0]
 
 
-def rows_of(batch, records: int) -> list:
-    """The batch's tensors whose leading dimension is the records (each row one record's)."""
-    return [t for t in batch_tensors(batch) if t.dim() > 0 and t.shape[0] == records]
+def widest_rows(tensors: list, records: int) -> torch.Tensor:
+    """The batch's widest tensor whose leading dimension is the records (each row one record's: the inputs)."""
+    return max((t for t in tensors if t.dim() > 0 and t.shape[0] == records), key=lambda t: t.numel())

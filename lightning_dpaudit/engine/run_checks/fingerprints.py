@@ -18,10 +18,10 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from .base import rows_of
+from .base import widest_rows
 
 WIDTH = 65_536  # coordinates of a tensor's row that are projected
-FLUSH = 8  # batches whose projections wait on the device
+FLUSH = 16  # batches whose projections wait on the device
 MAX_BATCHES = 1_000_000  # digests kept (16 bytes each)
 
 
@@ -41,19 +41,18 @@ class BatchPrints:
         self.directions: Dict[tuple, tuple] = {}
         self.pending: List[tuple] = []  # (step, records, projections on the device)
 
-    def add(self, batch, step: int, records: Optional[int]) -> None:
-        """A batch of `records` records (records_in) delivered for `step`."""
+    def add(self, tensors: list, step: int, records: Optional[int]) -> None:
+        """A batch of `records` records (records_in), its tensors `tensors` (batch_tensors), delivered for `step`."""
         if not records:
             return
-        widest = max(rows_of(batch, records), key=lambda t: t[0].numel())
-        self.pending.append((step, records, self._project(widest.detach().reshape(records, -1))))
+        self.pending.append((step, records, self._project(widest_rows(tensors, records).detach().reshape(records, -1))))
 
     def _project(self, flat: torch.Tensor) -> torch.Tensor:
         picked, u = self._direction(flat.shape[1], flat.device)
         return (flat if picked is None else flat[:, picked]).to(torch.float64) @ u
 
     def _direction(self, width: int, device) -> tuple:
-        key = (width, str(device))
+        key = (width, device)
         if key not in self.directions:
             picked = None
             if width > WIDTH:
@@ -70,14 +69,15 @@ class BatchPrints:
             return []
         pending, self.pending = self.pending, []
         host = torch.cat([p for _, _, p in pending]).cpu().numpy()
-        prints, start = [], 0
-        for step, records, _ in pending:
-            rows = host[start:start + records]
-            start += records
-            ordered = rows[np.lexsort(rows.T[::-1])]
-            distinct = 1 + int(np.any(ordered[1:] != ordered[:-1], axis=1).sum()) if records else 0
-            prints.append(BatchPrint(step, records, hashlib.blake2b(ordered.tobytes(), digest_size=16).digest(), distinct))
-        return prints
+        sizes = np.array([records for _, records, _ in pending])
+        owner = np.repeat(np.arange(len(pending)), sizes)
+        ordered = host[np.lexsort((host[:, 1], host[:, 0], owner))]  # each batch's rows in one order-free order
+        new_row = np.ones(len(owner), dtype=bool)
+        new_row[1:] = np.any(ordered[1:] != ordered[:-1], axis=1) | (owner[1:] != owner[:-1])
+        distinct = np.add.reduceat(new_row, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+        ends = np.cumsum(sizes)
+        return [BatchPrint(step, records, hashlib.blake2b(ordered[end - records:end].tobytes(), digest_size=16).digest(),
+                           int(d)) for (step, records, _), end, d in zip(pending, ends, distinct)]
 
 
 class RepeatIndex:

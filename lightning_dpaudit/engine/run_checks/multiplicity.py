@@ -8,7 +8,10 @@ rows         each step, the rows the optimizer clipped (the per-sample gradients
 dataset      a ConcatDataset whose parts reach the same underlying dataset or tensor storage (a
              dataset concatenated with transformed copies of itself): each record is several rows
              of the data. Certain at attach: finding `multiplicity`.
-duplicates   rows equal to another row of the same batch (fingerprints.py). Poisson sampling draws
+mirrored     rows of a tensor dataset that are other rows' mirror images (dataset_copies.py): a
+             dataset stacked with augmented copies. Finding `multiplicity` at attach.
+duplicates   rows equal to another row of the same batch (fingerprints.py), and rows of a tensor
+             dataset equal to another of its rows (dataset_copies.py). Poisson sampling draws
              a record at most once a step, so these are duplicate records in the data or copies: a
              note naming the count, since the claim is one record per person.
 """
@@ -20,6 +23,7 @@ from typing import Optional
 import torch
 
 from .base import DOES_NOT_DESCRIBE, RunCheck
+from .dataset_copies import mirrored_finding, scan
 
 CODE = "multiplicity"
 DEPTH = 4  # attributes followed from a part of a ConcatDataset to what it wraps
@@ -91,9 +95,13 @@ class MultiplicityCheck(RunCheck):
         self.compared = 0
         self.fed = False  # batches reach the check (a loader or the callback feeds it)
         self.found = False
+        self.dataset_duplicates = 0  # rows of the dataset equal to an earlier row (when it was scanned)
 
     def loader(self, loader) -> None:
-        problem = concatenated_copies(getattr(loader, "dataset", None))
+        dataset = getattr(loader, "dataset", None)
+        copies = scan(dataset)
+        self.dataset_duplicates = copies.duplicates if copies is not None else 0
+        problem = concatenated_copies(dataset) or mirrored_finding(copies)
         if problem is not None:
             self._found(problem, 0)
 

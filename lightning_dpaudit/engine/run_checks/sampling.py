@@ -140,9 +140,10 @@ class SamplingCheck(RunCheck):
             return math.inf if self.kind in ("replacement", "weighted") else math.nan
         return shuffled_epsilon(self.run.accountant, self.steps, self.batches_per_epoch, self.delta)
 
-    def batch(self, batch, records: Optional[int] = None) -> None:
+    def batch(self, tensors: list, records: Optional[int] = None) -> None:
+        """A batch's tensors (batch_tensors) and its records (records_in)."""
         self.seen_batches += 1
-        self.prints.add(batch, self.steps + 1, records)
+        self.prints.add(tensors, self.steps + 1, records)
         if self.prints.due():
             self._read_prints()
 
