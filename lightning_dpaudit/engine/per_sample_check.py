@@ -209,7 +209,8 @@ class PerSampleCheck:
             self._stop(error, step)
 
     def _stop(self, error: Exception, step: int) -> None:
-        self.failed = f"{type(error).__name__}: {error} (at step {step})"
+        first_line = (str(error).splitlines() or [""])[0][:200]  # one line: some errors print whole tensors
+        self.failed = f"{type(error).__name__}: {first_line} (at step {step})"
         warnings.warn(f"the per-sample gradient check stopped: {self.failed}", RuntimeWarning, stacklevel=3)
         self.close()
 
@@ -316,8 +317,13 @@ class PerSampleCheck:
         gsm = self.module()
         was_enabled = getattr(gsm, "hooks_enabled", False)
         buffers = buffer_values(self.target)
+        # expanded weights write p.grad_sample from any backward pass through the module, and refuse to while it holds
+        # the step's: the step's are set aside for the replay and put back after
+        held = [(p, p.grad_sample) for p in self.params if getattr(p, "grad_sample", None) is not None]
         self.replaying = True
         try:
+            for p, _ in held:
+                p.grad_sample = None
             if was_enabled:
                 gsm.disable_hooks()
             # Opacus's switched-off backward hooks still fire here, and torch may warn about them as it did in
@@ -326,6 +332,8 @@ class PerSampleCheck:
             yield
         finally:
             self.replaying = False
+            for p, samples in held:
+                p.grad_sample = samples
             if was_enabled:
                 gsm.enable_hooks()
             set_buffers(self.target, buffers)

@@ -273,6 +273,9 @@ class CouplingCheck(RunCheck):
         captured = []
         handle = target.register_forward_hook(lambda m, a, out: captured.append(out) if not captured else None)
         set_buffers(module, self.step_buffers)
+        for p in self.run.params:  # expanded weights refuse a backward pass over held samples (the step's are set aside)
+            if getattr(p, "grad_sample", None) is not None:
+                p.grad_sample = None
         numpy_now, python_now = np.random.get_state(), random.getstate()
         try:
             with torch.random.fork_rng(devices=[]), torch.enable_grad():
