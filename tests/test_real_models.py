@@ -79,3 +79,49 @@ def test_opacus_per_sample_gradients_of_convnext_downsampling_are_wrong_without_
                                                                     reduction="sum"), weight)[0]
         gaps.append(float((rows[i] - own).norm() / own.norm()))
     assert min(gaps) > 0.01, gaps
+
+
+def test_lora_fine_tuning_of_a_hugging_face_model_under_lightning_is_quiet_and_checked(tmp_path):
+    """The user this is for: LoRA on a Hugging Face decoder, Opacus inside a LightningModule, the callback on the
+    Trainer, Opacus's data module (Poisson sampling). The audit stays quiet, compares real examples and replays the
+    training step."""
+    import pytorch_lightning as pl
+    from opacus import PrivacyEngine
+    from opacus.lightning import DPLightningDataModule
+
+    from lightning_dpaudit import DPAuditCallback
+    from model_families import cross_entropy
+
+    family = FAMILIES["lora-llama"]
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(family.data(torch.Generator().manual_seed(1)), batch_size=16)
+
+    class FineTune(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = family.build()
+
+        def training_step(self, batch, batch_idx):
+            return family.loss(self.model, batch, cross_entropy)
+
+        def configure_optimizers(self):
+            trained = [p for p in self.parameters() if p.requires_grad]
+            _, optimizer, _ = PrivacyEngine().make_private(
+                module=self, optimizer=torch.optim.SGD(trained, lr=0.1),
+                data_loader=self.trainer.datamodule.train_dataloader(), noise_multiplier=1.0, max_grad_norm=1.0,
+                poisson_sampling=True, noise_generator=torch.Generator().manual_seed(7))
+            return optimizer
+
+    pl.seed_everything(0, verbose=False)
+    alerts = []
+    callback = DPAuditCallback(alert=alerts.append, seed=0, report=False)
+    trainer = pl.Trainer(max_steps=6, callbacks=[callback], logger=False, default_root_dir=tmp_path,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         accelerator="cpu")
+    trainer.fit(FineTune(), datamodule=DPLightningDataModule(Data()))
+    result = callback.auditor.result(accounting=False)
+    assert not alerts and not result.violation and result.audit_failed is None and not result.findings
+    assert callback.auditor.per_sample_check.checked >= 1
+    assert "loader: poisson" in result.pipeline and "through the training step" in result.pipeline
