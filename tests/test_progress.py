@@ -35,6 +35,8 @@ def test_demo_output_is_compact_when_not_a_terminal(tmp_path):
     assert len(output) <= DEMO_MAX_BYTES and text.count("\n") <= DEMO_MAX_LINES, (len(output), text.count("\n"))
     progress = [line for line in text.splitlines() if line.startswith("step ")]
     assert 5 <= len(progress) <= 11 and progress[-1].startswith(f"step {DEMO_STEPS}/{DEMO_STEPS}, epoch ")
+    shown = [line for line in progress if "eps_low" in line]
+    assert shown and all(" eps_step " in line for line in shown)  # each epsilon says the step it is from
     assert "torch threads: 1 (--threads)" in text and "OK: no leak beyond the claim detected" in text
 
 
