@@ -1,4 +1,12 @@
-"""lightning_dpaudit: audit differentially private training while it runs.
+"""Audit DP-SGD training while it runs: a Lightning callback, or an auditor on a plain PyTorch optimizer.
+
+Lightning: add the callback to the Trainer of a LightningModule made private with Opacus,
+    callback = DPAuditCallback(); trainer = pl.Trainer(callbacks=[callback]); trainer.fit(module)
+and after fit `callback.auditor.result()` is the AuditResult (it prints as the summary).
+
+Plain PyTorch: attach the auditor to the optimizer Opacus's make_private returned, then train as before,
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader)
+    print(auditor.result())   # the verdict, both epsilons, the findings
 
 Layers, each importing only from the ones above it:
 
@@ -29,6 +37,7 @@ _LAZY = {
     # the audit of every step: plain PyTorch and Lightning
     "PrivacyAuditor": "engine.auditor",
     "DPAuditCallback": "integrations.callback",
+    "InputCanaries": "engine.kinds.input_canaries",  # canary= for input canaries, in full
     # results
     "AuditResult": "analysis.results",
     "LayerAudit": "analysis.results",
@@ -64,6 +73,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .analysis.results import AuditResult, Finding, LayerAudit
     from .engine.auditor import PrivacyAuditor, PrivacyViolationWarning
     from .engine.final_model import FinalModelCanaries
+    from .engine.kinds.input_canaries import InputCanaries
     from .engine.pipeline import AuditFailedWarning
     from .engine.state import AuditStateError
     from .integrations.bugs import inject_bug, list_bugs

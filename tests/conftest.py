@@ -26,7 +26,8 @@ def one_thread():
 
 class ModuleHeaders:
     """Under `-q` pytest prints only dots, and under xdist not even the file names: name each test module
-    (and the worker running it) when its first test starts, so a run shows where it is."""
+    (and the worker running it) when its first test starts, so a run shows where it is. A line of dots
+    a header ends gets its progress (`[ 42%]`) at the right edge first, as pytest ends a full line."""
 
     def __init__(self, config):
         self.config = config
@@ -41,7 +42,10 @@ class ModuleHeaders:
         if self.current.get(worker) != module:
             self.current[worker] = module
             reporter = self.config.pluginmanager.getplugin("terminalreporter")
-            if reporter._tw.width_of_current_line:  # after a line of dots
+            if reporter._tw.width_of_current_line:  # after a line of dots: its progress, then a new line
+                progress = getattr(reporter, "_write_progress_information_filling_space", None)  # pytest's own
+                if progress is not None and getattr(reporter, "_show_progress_info", False):
+                    progress()
                 reporter.write("\n")
             reporter.write_line(f"[{worker}] {module}" if worker else module)
 

@@ -1,8 +1,8 @@
 """Every example in README.md and docs/ runs as written, by Sybil.
 
-Sybil parses each page: its ```python blocks, and the invisible ones in HTML comments
-(`<!-- invisible-code-block: python ... -->`, for context the text describes), run in page order in
-one namespace per page, in a fresh working directory, with one torch thread; ```pycon blocks
+Sybil parses each page: its ```python blocks (each complete, or continuing an earlier one as its
+text says; tests/test_docs_plain.py runs each on its own and refuses invisible set-up), run in page
+order in one namespace per page, in a fresh working directory, with one torch thread; ```pycon blocks
 (`>>>` sessions) check what they print. Its ```console blocks run their `$ ` commands
 and must print what the page shows (tests/doc_console.py). `<!-- skip: next "needs ..." -->` skips
 the next example, for examples that cannot run on a CPU machine. ```bash and ```text blocks are
@@ -86,7 +86,7 @@ def test_the_pages_have_examples():
     total = sum(len(examples) for examples in EXAMPLES.values())
     python, sessions = _count(PythonEvaluator), _count(DocTestEvaluator)
     console = sum(1 for examples in EXAMPLES.values() for e in examples if e.region.evaluator is evaluate_console)
-    assert python >= 20 and sessions >= 8 and console >= 2, (python, sessions, console)
+    assert python >= 15 and sessions >= 8 and console >= 2, (python, sessions, console)
     assert total == python + sessions + console + _count(Skipper), "an example of another kind"
 
 
