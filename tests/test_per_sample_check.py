@@ -314,7 +314,9 @@ def test_a_deterministic_model_replays_the_chosen_examples_alone_and_still_sees_
         monkeypatch.setattr(GradSampleModule, "GRAD_SAMPLERS", samplers)
     broken = train(*setup(mode, dropout=0.0), steps=3, auditor_kwargs={})
     assert broken.per_sample_check.replays["examples"] == 1
-    assert [code for code, *_ in broken.problems] == ["per_sample_gradients"]
+    # under ghost clipping the canaries' rows are clipped with the same wrong norms: that is found too
+    expected = {"per_sample_gradients", "canary_clipping"} if mode == "ghost" else {"per_sample_gradients"}
+    assert {code for code, *_ in broken.problems} == expected
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
@@ -340,7 +342,8 @@ def test_mixed_precision_is_replayed_under_its_autocast_and_judged_at_its_precis
     samplers[nn.Linear] = _scaled(samplers[nn.Linear], "bias", 0.04, only_sequences=True)
     owner = GradSampleModuleFastGradientClipping if mode == "ghost" else GradSampleModule
     monkeypatch.setattr(owner, "NORM_SAMPLERS" if mode == "ghost" else "GRAD_SAMPLERS", samplers)
-    assert [code for code, *_ in run(2).problems] == ["per_sample_gradients"]
+    expected = {"per_sample_gradients", "canary_clipping"} if mode == "ghost" else {"per_sample_gradients"}
+    assert {code for code, *_ in run(2).problems} == expected  # ghost: the canaries' norms are wrong too
 
 
 def _tick():

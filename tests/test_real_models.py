@@ -6,7 +6,8 @@ the same seeds.
 Where plain Opacus trains, the audited run trains the same model (to float rounding: the canaries are added and
 taken out), the audit does not fail, its exact check compared step 1 and it finds nothing; the one exception is
 ConvNeXt, where Opacus 1.6's own per-sample gradients are wrong (confirmed here against autograd independently of the
-audit), and the audit says so. Where Opacus fails, the audited run fails with the same error. Deterministic: fixed
+audit), and the audit says so. Where Opacus fails, the audited run fails with the same error, and an error inside
+Opacus's step is named in one line as Opacus's (`opacus_error`), with no privacy finding. Deterministic: fixed
 seeds, no false-failure rate. bench/real_models.py prints the table."""
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def test_the_audit_on_a_real_model(family, mode):
     if (family, mode) in OPACUS_FAILS:
         assert plain.error is not None, "plain Opacus now trains this model: move it out of OPACUS_FAILS"
         assert audited.error == plain.error  # the audit neither hides Opacus's error nor adds one of its own
+        if audited.auditor is not None:  # no privacy finding from a run Opacus could not train
+            result = audited.auditor.result(accounting=False)
+            assert {f.code for f in result.findings} <= {"opacus_error"} and result.audit_failed is None
+            if "stack expects" in plain.error:  # raised inside Opacus's step (its clipping): said, in one line
+                assert [f.code for f in result.findings] == ["opacus_error"]
+                assert result.findings[0].message.startswith("Opacus's own step raised RuntimeError: stack expects")
         return
     assert plain.error is None and audited.error is None
     assert float((plain.params - audited.params).abs().max()) <= TOLERANCE  # the audit never changes the training

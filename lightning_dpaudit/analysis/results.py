@@ -30,7 +30,8 @@ class Finding:
     """One named cause of a violation, with the number that shows it.
 
     code      noise_scale, clipping, noise_repeats, noise_correlated, layer, general (see findings.py),
-              or the code of another check that found a set-up problem
+              or the code of another check that found a set-up problem, or of a fault that costs no
+              privacy (training_diverged, opacus_error)
     message   one readable sentence: what was measured, its interval, the likely cause
     first_step the step the evidence first showed (the first alarm of the groups
               concerned, or the first repeating step), None when unknown
@@ -129,6 +130,7 @@ class AuditResult:
 VERDICT = "DP AUDIT VIOLATION"  # the first words of every violation alert
 # findings about the run beyond the optimizer (engine/run_checks/): the accountant's epsilon is not this run's
 PIPELINE_CODES = ("sampling", "multiplicity", "coupled_examples", "outside_dp")
+DIVERGED = "training_diverged"  # a fault, no violation: the audit observes nothing from the step it names on
 DOES_NOT_DESCRIBE = "the accountant's epsilon does not describe this run"
 
 

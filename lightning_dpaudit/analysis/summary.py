@@ -8,7 +8,7 @@ import math
 from .final_model import summary_lines as final_model_lines
 from .formatting import as_number as _num
 from .formatting import fixed as _f
-from .results import DOES_NOT_DESCRIBE, pipeline_codes
+from .results import DIVERGED, DOES_NOT_DESCRIBE, pipeline_codes
 
 
 def summary_table(report: dict) -> str:
@@ -24,6 +24,9 @@ def summary_table(report: dict) -> str:
             verdict = f"VIOLATION: {DOES_NOT_DESCRIBE} ({', '.join(pipeline)}){where}"
     else:
         verdict = "OK: no leak beyond the claim detected"
+        diverged = next((f for f in r.get("findings") or [] if f.get("code") == DIVERGED), None)
+        if diverged is not None:
+            verdict += f" before step {diverged.get('first_step')}, where training diverged (nothing after is audited)"
     conf = _num(r.get("confidence"))
     rows = [
         ("", "lower bound", "claimed"),
@@ -46,7 +49,7 @@ def summary_table(report: dict) -> str:
         *([("run checks", r["pipeline"])] if r.get("pipeline") else []),
     ]
     lines += [f"  {a:<{w0}}  {b}" for a, b in facts]
-    lines += [f"  note: {note}" for note in r.get("notes") or []]
+    lines += [f"  note: {_note(note)}" for note in r.get("notes") or []]
     layers = list(r.get("layers") or [])
     if layers:
         wn = max(5, max(len(str(layer.get("name"))) for layer in layers))
@@ -95,6 +98,20 @@ def _failure_line(r: dict) -> list:
 def _finding_lines(r: dict) -> list:
     """One line per finding (a report written before findings existed has none)."""
     return [f"  - {f.get('code')}: {f.get('message')}" for f in r.get("findings") or []]
+
+
+# notes the summary shortens to one line: their code -> the page that explains them (the result keeps the full text)
+NOTE_PAGES = {"normalisation": "docs/guide/data-path.md (Normalisation)"}
+
+
+def _note(note: str) -> str:
+    """A note as one line: one with a page of its own keeps its code and what was found, up to the first colon,
+    then names the page ("normalisation: the update is divided by expected_batch_size = 61, derived from the
+    dataset's size; see docs/guide/data-path.md (Normalisation)")."""
+    code, _, message = str(note).partition(": ")
+    if code not in NOTE_PAGES:
+        return str(note)
+    return f"{code}: {message.split(':')[0]}; see {NOTE_PAGES[code]}"
 
 
 def _first_repeat(r: dict) -> str:

@@ -32,11 +32,14 @@ from . import distributed as dist
 from .accumulation_check import AccumulationLedger
 from .adaptive import mechanism_of, step_claims
 from .claims import normalisation_problem
+from .divergence import diverged_step
 from .ghost import check_ghost_options, is_ghost
 from .kinds import ALL_KIND_NAMES, canary_kind_for
 from .kinds.input_probe import check_input_model
+from .opacus_step import CODE as OPACUS_ERROR
+from .opacus_step import OpacusStep
 from .options import (
-    BATCHED_CHECK_EVERY, check_accountant, check_claim, check_opacus_version, find_accountant, validate,
+    BATCHED_CHECK_EVERY, check_accountant, check_claim, check_module, check_opacus_version, find_accountant, validate,
 )
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
@@ -125,6 +128,7 @@ class PrivacyAuditor:
         check_ghost_options(optimizer, options)
         if options.input:
             check_input_model(module, list(optimizer.params), options.canary)
+        check_module(module, optimizer.params)
         seed = path_class.agree_on_seed(options.seed)
         self.optimizer, self.options, self.model = optimizer, options, module
         self.accountant = accountant if accountant is not None else find_accountant(optimizer)
@@ -147,6 +151,7 @@ class PrivacyAuditor:
             note_problem=lambda *a: self.pipeline.note_problem(*a), sentinels=self.kind.sentinels, noise_std=sigma * C,
             layer_names=self.layer_names, checksum_every=options.checksum_every,
             noise_seed=None if seed is None else int(np.random.default_rng([seed, 28]).integers(2**62)),
+            canary_clipping=self._canary_clipping,
         ))
         check_every = options.check_every
         if check_every == "auto":
@@ -171,16 +176,36 @@ class PrivacyAuditor:
         )
         self.path.verify_start(options.canaries_per_step, seed)
         self.path.attach(self._noised_step)
+        self.opacus_step = OpacusStep(optimizer, steps=lambda: self.pipeline.steps, report=self._opacus_error,
+                                      raised_by_audit=lambda error: error is self.pipeline.raised)
         optimizer._dpaudit_auditor = self
         # what the claim does not cover, stated beside the result (not a leak beyond the claim's own terms)
         self.notes = [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
         self.run_checks.attach(data_loader)
         self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
 
+    def _canary_clipping(self, step: int) -> str:
+        """The canaries pass through the optimizer's own clipping, compared with a correct clipping, at the exact
+        checks' steps; between them they enter as a correct clipping leaves them; where those checks are off or
+        stopped, every step clips them (nothing else then verifies clipping)."""
+        check = self.per_sample_check
+        if check.every == 0 or check.failed is not None:
+            return "optimizer"
+        return "compared" if check.due(step) else "correct"
+
     def _noised_step(self) -> None:
         """The optimizer's add_noise while attached: the exact check, then the audited step. An error of the check's
         own code before the audited step runs fails the audit as one inside it would (detached, the step released
-        as without it, one AuditFailedWarning); what the audited step raises is its own to pass on."""
+        as without it, one AuditFailedWarning); what the audited step raises is its own to pass on. Once training
+        diverged (divergence.py) the step is the plain one, with no check: at the exact checks' steps the tensors
+        they would compare are tested first."""
+        pipeline = self.pipeline
+        if pipeline.diverged is None and self.per_sample_check.due(pipeline.steps):
+            pipeline.diverged_by_now()
+        if pipeline.diverged is not None:
+            self.per_sample_check.close()
+            pipeline.audited_step()
+            return
         entered = False
 
         def audited_step():
@@ -193,14 +218,28 @@ class PrivacyAuditor:
             self.per_sample_check.around(self.pipeline.steps, audited_step)
         except Exception as error:
             if entered or self.pipeline.failed or not self.path.local:
+                if not entered:
+                    self.pipeline.raised = error  # the audit's own
                 raise
             self.pipeline._fail(error, self.pipeline.steps, noised=False)
+
+    def _opacus_error(self, error: BaseException, step: int, released: bool) -> None:
+        """Opacus's own step raised `error` at `step` (opacus_step.py passes it on): recorded, no alarm. After the
+        step's release the claim check follows the accountant's history as it is (the step may not be composed)."""
+        if released and self.pipeline.claims is not None:
+            self.pipeline.claims.resync(self.pipeline.steps)
+        where = ("after the step's release, so the step may be neither applied nor composed by the accountant; the "
+                 "later steps are checked against the accountant's history as it is" if released
+                 else "before the step's release")
+        self.pipeline.note_problem(OPACUS_ERROR, f"Opacus's own step raised {type(error).__name__}: {error} at step "
+                                   f"{step}, {where} (the error was passed on)", step, False)
 
     def detach(self) -> None:
         """Restore the optimizer exactly as it was before the auditor attached."""
         if getattr(self.optimizer, "_dpaudit_auditor", None) is not self:
             return
         self.path.detach()
+        self.opacus_step.restore()
         self.per_sample_check.close()
         self.run_checks.close()
         del self.optimizer._dpaudit_auditor
@@ -307,8 +346,11 @@ class PrivacyAuditor:
         else:
             self.pipeline.record_pending()
         result = self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
-        return replace(result, audit_failed=self.record.failed, data_path=self.per_sample_check.status(self.steps),
-                       pipeline=self.run_checks.status(), epsilon_sampling=self.run_checks.epsilon(),
+        diverged = self.pipeline.diverged
+        stopped = "" if diverged is None else f"; stopped: training diverged at step {diverged}"
+        return replace(result, audit_failed=self.record.failed,
+                       data_path=self.per_sample_check.status(self.steps) + stopped,
+                       pipeline=self.run_checks.status() + stopped, epsilon_sampling=self.run_checks.epsilon(),
                        notes=tuple(f"{code}: {message}" for code, message in self.notes + self.run_checks.notes()))
 
     def _evidence(self, anytime: dict):
@@ -340,6 +382,7 @@ class PrivacyAuditor:
             raise ValueError(f"`sampler` or `pool`: {type(error).__name__}: {error}") from error
         self.record.load_state_dict(state)
         self.pipeline.steps = int(state["steps"])
+        self.pipeline.diverged = diverged_step(self.record.problems)  # a run that diverged stays unobserved
         self._claim_changed(self.pipeline.claims.mechanism)  # the steps from here claim what the optimizer holds now
 
     # ------------------------------------------------------------------ summary

@@ -63,6 +63,13 @@ class StepClaims:
             self.on_change(self.mechanism)
         return self.mechanism
 
+    def resync(self, steps: int) -> None:
+        """Opacus's step raised after its release (opacus_step.py): it may be composed or not, so the steps after it
+        are compared with the accountant's history as it is now, `steps` steps released."""
+        if self._baseline is not None:
+            self._baseline = composed_steps(self.accountant) - steps
+        self._accounted = self._last_entry()
+
     def _last_entry(self) -> tuple:
         """(entries, the last one) of the accountant's history: it changes when the accountant records a step.
 

@@ -13,6 +13,7 @@ import numpy as np
 from ..analysis.observations import MAX_WINDOW
 from ..analysis.record import FRESHNESS_SHARE, REPEAT_ALPHA
 from ..estimators.bounds import METHODS
+from . import claim_range
 from .kinds.canaries import KINDS
 from .kinds.input_canaries import INPUT_KINDS, InputCanaries
 
@@ -241,6 +242,7 @@ def validate(optimizer, **options) -> AuditOptions:
     """AuditOptions from the constructor's keywords (check_settings), with the canaries per step resolved for the
     optimizer's size, or a ValueError naming the first bad one."""
     settings = check_settings(**options)
+    check_canary_norms(optimizer, settings["canary_scale"])
     if settings["canaries_per_step"] == "auto":
         parameters = sum(p.numel() for p in optimizer.params)
         settings["canaries_per_step"] = auto_canaries(settings["canary"], parameters, settings["support"])
@@ -294,8 +296,22 @@ def _not_a_number(name: str, value) -> None:
         )
 
 
+def check_module(module, params) -> None:
+    """`module`, when given, must hold at least one of the optimizer's parameters (it may hold others: a
+    LightningModule around the model); another model's GradSampleModule would be read as the one trained."""
+    if module is None:
+        return
+    ids = {id(p) for p in params}
+    if not any(id(p) in ids for p in module.parameters()):
+        raise ValueError(
+            f"Unexpected value for `module`: {type(module).__name__}, none of its parameters are the optimizer's; "
+            "pass the model the optimizer trains (the GradSampleModule from make_private, or a module holding it)"
+        )
+
+
 def check_claim(optimizer) -> None:
-    """The optimizer's noise multiplier and clipping bound(s) must make a privacy claim to audit."""
+    """The optimizer's noise multiplier and clipping bound(s) must make a privacy claim to audit, one float32 can hold
+    (claim_range.py: each bound C and the noise's std sigma * C in float32's normal range)."""
     sigma = optimizer.noise_multiplier
     _not_a_number("noise_multiplier", sigma)
     if not math.isfinite(sigma) or sigma <= 0:
@@ -310,6 +326,21 @@ def check_claim(optimizer) -> None:
             raise ValueError(
                 f"Unexpected value for the optimizer's max_grad_norm: {bound}; clipping needs a finite bound > 0"
             )
+        problem = claim_range.bound_problem(bound)
+        if problem is not None:
+            raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {bound}; {problem}")
+    problem = claim_range.noise_problem(sigma, float(optimizer.max_grad_norm))
+    if problem is not None:
+        raise ValueError(f"Unexpected value for the optimizer's noise_multiplier: {sigma}; {problem}")
+
+
+def check_canary_norms(optimizer, canary_scale: float) -> None:
+    """The canaries, planted at canary_scale times each bound, must have a norm float32's clipping computes."""
+    per_layer = getattr(optimizer, "max_grad_norms", None)
+    bounds = [float(b) for b in per_layer] if per_layer else [float(optimizer.max_grad_norm)]
+    problem = claim_range.canary_problem(bounds, canary_scale)
+    if problem is not None:
+        raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {max(bounds)}; {problem}")
 
 
 def check_accountant(accountant) -> None:

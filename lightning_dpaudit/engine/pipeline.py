@@ -25,7 +25,14 @@ the same draw order), one AuditFailedWarning is issued, and the record keeps the
 Under several processes the error is raised (a rank leaving the collectives alone would
 hang the others). A noise multiplier the optimizer's own add_noise cannot draw with (a string,
 NaN or negative; plain Opacus raises a torch error there) ends the step with the audit's
-ValueError naming it instead: the step could not complete without the audit either.
+ValueError naming it instead: the step could not complete without the audit either. What the audit raises
+itself (its alarm's error, its own under several processes, that ValueError) is kept as `raised`: an error of
+Opacus's own step is any other (opacus_step.py).
+
+Divergence. Each release's finiteness is read with the step's readings (divergence.py); the first step whose
+release or parameters are not finite is recorded as `training_diverged` (no alarm), its readings and every later
+step's are dropped, and the steps from it on are plain. Before a problem is recorded the tensors are tested now
+(a host sync, rare): a comparison of non-finite values is the divergence, not a finding.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from ..analysis.record import AuditRecord
+from . import divergence
 from .readings import PendingReadings
 
 
@@ -91,19 +99,22 @@ class StepPipeline:
         self.readings = PendingReadings()
         self.steps = 0
         self.failed = False  # the audit's own code raised: every later step is the plain one
+        self.diverged: Optional[int] = None  # the step (from 1) training diverged at: every later step is plain
+        self.raised: Optional[BaseException] = None  # the last error the audit raised itself (not the optimizer's)
         self._noise: Optional[NoiseCalls] = None
         self._passed: Optional[BaseException] = None  # raised by the alarm or the optimizer: never caught
         self._alarming = False
 
     def audited_step(self) -> None:
         """Stands in for the optimizer's add_noise: plant -> release -> read -> record -> check."""
-        if self.failed or (self.observe_steps is not None and self.steps >= self.observe_steps):
-            self.path.release_plain()  # past the observation window, or after a fault: the plain step
+        if self._noise is None:
+            self._noise = NoiseCalls(self.path, self._pass_on)
+        past_window = self.observe_steps is not None and self.steps >= self.observe_steps
+        if self.failed or self.diverged is not None or past_window:
+            self.path.release_plain()  # past the observation window, after a fault or a divergence: the plain step
             if not self.failed:
                 self.steps += 1
             return
-        if self._noise is None:
-            self._noise = NoiseCalls(self.path, self._pass_on)
         step, kind, noised = self.steps, self.kind, self._noise.calls
         try:
             if self.claims is not None:
@@ -112,11 +123,13 @@ class StepPipeline:
             planted = kind.plant(step, all_in=self.paired)
             self.path.release(
                 planted, step=step, paired=self.paired,
-                read=lambda view: readings.append(kind.read(planted, view)),
+                read=lambda view: self._read(planted, view, step, readings),
                 done=lambda: self._end_step(step, readings, segment),
             )
         except Exception as error:
             if error is self._passed or not self.path.local:
+                if error is not self._passed:
+                    self.raised = error  # the audit's own, under several processes
                 self._finish_quietly()
                 raise
             self._fail(error, step, noised=self._noise.calls > noised)
@@ -124,17 +137,48 @@ class StepPipeline:
             self._finish_quietly()
             raise
 
+    def _read(self, planted, view, step: int, readings: list) -> None:
+        """The kind's reading of one release, with whether the release was finite (kept on the device). A kind that
+        reads on the host anyway learns it now and reads nothing of a non-finite release."""
+        finite = divergence.release_flag(view)
+        if not self.kind.reads_on_device and not bool(finite):
+            self.diverge(step + 1)
+            return
+        readings.append((self.kind.read(planted, view), finite))
+
     def _end_step(self, step: int, readings: list, segment: int) -> None:
-        for reading in readings:  # a step's readings are pending once the step is complete
-            self.readings.add(step, reading, segment)
+        for reading, finite in readings:  # a step's readings are pending once the step is complete
+            self.readings.add(step, reading, segment, finite)
         self.kind.finish_step()
         self.steps += 1
         if self.steps % self.check_every == 0 or self.steps == self.observe_steps:
             self.check()
 
     def record_pending(self) -> None:
-        """Move the pending readings to the host and record them (no alarm: that waits for a check)."""
-        self.record.add(self.readings.flush(), self.kind.name)
+        """Move the pending readings to the host and record them (no alarm: that waits for a check); from a step
+        whose release was not finite on, none."""
+        readings = self.readings.flush()
+        bad = [r.step + 1 for r in readings if not r.finite]
+        if bad:
+            self.diverge(min(bad))
+        if self.diverged is not None:
+            readings = [r for r in readings if r.step + 1 < self.diverged]
+        self.record.add(readings, self.kind.name)
+
+    def diverge(self, step: int) -> None:
+        """Training diverged at `step` (from 1): recorded once, no alarm; nothing from it on is observed or checked."""
+        if self.diverged is None:
+            self.diverged = step
+            self.record.note_problem(divergence.CODE, divergence.message(step), step, alarm=False)
+
+    def diverged_by_now(self) -> bool:
+        """Whether training diverged by now: the pending readings first, then the parameters, gradients and clipped
+        sums as they are (one host sync)."""
+        if self.diverged is None:
+            self.record_pending()
+        if self.diverged is None and not divergence.training_finite(self.kind.probe.params):
+            self.diverge(self.steps + 1)
+        return self.diverged is not None
 
     def check(self) -> None:
         """Record what is pending; alarm once if a violation is recorded and was not alarmed (on every rank
@@ -161,11 +205,15 @@ class StepPipeline:
             yield
         except BaseException as error:
             self._pass_on(error)
+            self.raised = error
             raise
 
     def note_problem(self, code: str, message: Optional[str], step: int, alarm: bool = True) -> None:
         """A set-up problem (a certainty): alarms at once on one process, at the next check under several
-        (alarm=False: a fault that costs no privacy, reported among the findings)."""
+        (alarm=False: a fault that costs no privacy, reported among the findings). None once training diverged:
+        what is compared then is non-finite."""
+        if message and code != divergence.CODE and self.diverged_by_now():
+            return
         if self.record.note_problem(code, message, step, alarm) and alarm and self.path.local:
             self.check()
 
@@ -204,9 +252,12 @@ class StepPipeline:
             # cannot complete either way, and this error says why (before Opacus's own, a torch error)
             sigma = optimizer.noise_multiplier
             if "noise_multiplier" in str(error):
+                self.raised = error
                 raise error
-            raise ValueError(f"Unexpected value for the optimizer's noise_multiplier: {sigma!r}; the optimizer's own "
-                             "add_noise cannot draw noise with it (it must be a finite number > 0)") from error
+            self.raised = ValueError(f"Unexpected value for the optimizer's noise_multiplier: {sigma!r}; the "
+                                     "optimizer's own add_noise cannot draw noise with it (it must be a finite "
+                                     "number > 0)")
+            raise self.raised from error
         if not noised:
             for p in self.kind.probe.params:
                 data = getattr(p, "summed_grad", None)

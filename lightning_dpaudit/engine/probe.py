@@ -29,6 +29,9 @@ import torch
 from .kinds.canaries import StepCanaries
 
 
+CLIP_TOLERANCE = 1e-4  # relative gap between the optimizer's clipped canary sum and correct clipping (float32 sums)
+
+
 class CompressedRowsFallbackWarning(UserWarning):
     """The optimizer's clipping needs parameter-shaped canary rows."""
 
@@ -127,6 +130,42 @@ class GradientProbe:
         if self.dense:
             return self._dense_rows(pieces, columns), [None] * len(self.params)
         return pieces, columns
+
+    def preclipped(self, canaries: StepCanaries, which: np.ndarray) -> CanarySum:
+        """K as a correct clipping leaves the selected canaries' rows (the columns of `canary_rows`, in order):
+
+            K_r = row_r * min(1, C_l / (||row_r|| + 1e-6)),   row_r = scale * C_l * w_r,
+
+        Opacus's clip factor for a row that lies in one tensor (flat or per-layer: the row's norm is its norm in
+        l), computed in float64 on the host and planted as is: no pass through the optimizer."""
+        chosen = np.flatnonzero(which)
+        tensor = canaries.tensor[chosen]
+        order = np.argsort(tensor, kind="stable")
+        chosen, tensor = chosen[order], tensor[order]
+        bounds = self.clip_bounds[tensor]
+        rows = canaries.weights[chosen] * (self.scale * bounds)[:, None]
+        factor = np.minimum(1.0, bounds / (np.linalg.norm(rows, axis=1) + 1e-6))
+        p0 = self.params[0]
+        values = torch.as_tensor((rows * factor[:, None]).ravel(), dtype=p0.dtype, device=p0.device)
+        counts = (np.bincount(tensor, minlength=len(self.params)) * canaries.coords.shape[1]).tolist()
+        columns = torch.split(torch.as_tensor(canaries.coords[chosen].ravel(), device=p0.device), counts)
+        return CanarySum(list(torch.split(values, counts)), columns, canaries.pool_index[chosen].ravel())
+
+    def clipping_problem(self, clipped: CanarySum, expected: CanarySum, names: Sequence[str]) -> Optional[str]:
+        """A sentence naming the tensors where the optimizer's clipping of the canary rows is not `expected` (float32
+        rounding aside), or None."""
+        got, want = self.sum_at_pool(clipped), self.sum_at_pool(expected)
+        tolerance = CLIP_TOLERANCE * max(float(np.max(np.abs(want), initial=0.0)), 1e-30)
+        ends = np.cumsum([len(idx) for idx in self.pool_local])
+        wrong = [i for i, (a, b) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends))
+                 if np.max(np.abs(got[a:b] - want[a:b]), initial=0.0) > tolerance]
+        if not wrong:
+            return None
+        size = float(np.linalg.norm(got)) / max(float(np.linalg.norm(want)), 1e-300)
+        shown = ", ".join(f"`{names[i]}`" for i in wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+        return (f"the optimizer's clipping of the canary rows (norm {self.scale:g} C each, one tensor each) is not "
+                f"clipping to C in {shown}: the canaries' clipped sum is {size:.4g} times a correct clipping's "
+                "(per-example clipping missing or wrong there)")
 
     def _dense_rows(self, pieces, columns) -> List[torch.Tensor]:
         """Parameter-shaped rows with the compressed values at their columns."""

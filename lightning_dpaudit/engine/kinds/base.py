@@ -28,11 +28,15 @@ class Planted:
     rows    rows(which) -> (rows, columns): per-sample gradient rows of the selected
             canaries, per tensor (columns[l] the flat coordinates they cover, None for
             parameter-shaped rows)
+    preclipped  preclipped(which) -> the selected canaries' sum as a correct clipping leaves
+            it (probe.py), planted without the optimizer's clipping between the steps it is
+            verified at; None for kinds whose rows are not known in advance (input canaries)
     """
 
     is_in: np.ndarray
     rows: Callable[[np.ndarray], Tuple[List[torch.Tensor], list]]
     canaries: object = None  # the kind's own record of what it planted
+    preclipped: Optional[Callable[[np.ndarray], object]] = None  # which -> CanarySum as correct clipping leaves them
 
 
 @dataclass

@@ -33,7 +33,8 @@ class GradientCanaries:
 
     def plant(self, step: int, *, all_in: bool = False) -> Planted:
         canaries = self.sampler.next_step(all_in=all_in)
-        return Planted(canaries.is_in, lambda which: self.probe.canary_rows(canaries, which), canaries)
+        return Planted(canaries.is_in, lambda which: self.probe.canary_rows(canaries, which), canaries,
+                       preclipped=lambda which: self.probe.preclipped(canaries, which))
 
     def read(self, planted: Planted, view: ReleaseView) -> Reading:
         canaries = planted.canaries

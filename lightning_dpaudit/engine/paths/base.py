@@ -29,6 +29,7 @@ class PathSettings:
     sentinels                           pool positions whose noise is fingerprinted (None: too few)
     noise_std                           sigma * C, the noise's standard deviation
     noise_seed                          seeds the generator of releases that training never uses
+    canary_clipping(step)               how the canaries are clipped at this step (see the field)
     """
 
     note_problem: Callable[[str, Optional[str], int], None]
@@ -37,6 +38,9 @@ class PathSettings:
     layer_names: Sequence[str]
     checksum_every: int
     noise_seed: Optional[int] = None  # the audit's own noise for releases training never uses (paired mode)
+    # how the canaries are clipped at a step: "optimizer" (the optimizer's own clipping), "compared" (that, compared
+    # with a correct clipping: the exact checks' steps) or "correct" (planted as a correct clipping leaves them)
+    canary_clipping: Callable[[int], str] = lambda step: "optimizer"
 
 
 class ReleasePath(Protocol):

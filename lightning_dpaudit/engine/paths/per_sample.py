@@ -2,7 +2,10 @@
 
 Per audited step, with S = summed_grad after the optimizer clipped the real batch:
 
-    K = clip_and_accumulate(canary rows)     the optimizer's own clipping code
+    K = clip_and_accumulate(canary rows)     the optimizer's own clipping code, at the steps the
+                                             exact checks verify (compared there with a correct
+                                             clipping); in between, the rows as a correct clipping
+                                             leaves them (probe.preclipped), which costs O(k)
     R = add_noise() on S + K                 the optimizer's own noise
     read (R - S) at the pool; the update keeps R - K = S + noise, the un-audited one.
 
@@ -45,7 +48,7 @@ class PerSampleRelease(LocalChecks):
         data = [p.summed_grad for p in params]
         try:
             if not paired:
-                added = self.release_with(planted.rows(planted.is_in))
+                added = self.release_with(planted, planted.is_in, step)
                 try:
                     read(self.view(data, added, planted.is_in, own=True))
                 finally:  # the update is the un-audited one even if the reading fails
@@ -57,7 +60,7 @@ class PerSampleRelease(LocalChecks):
                     read(self.view(data, None, no_canaries(len(planted.is_in)), own=True))
                     every = np.ones(len(planted.is_in), dtype=bool)
                     with self.audit_noise.use(self.optimizer):  # training's noise stream stays as it was
-                        added = self.release_with(planted.rows(every))
+                        added = self.release_with(planted, every, step)
                     read(self.view(data, added, every, own=False))
                 finally:
                     for p, r in zip(params, released):
@@ -73,10 +76,10 @@ class PerSampleRelease(LocalChecks):
         at_pool = None if added is None else self.probe.gather_sum(added)
         return ReleaseView(released, data, centered, at_pool, is_in, own, canary_sum=added)
 
-    def release_with(self, rows_and_columns) -> CanarySum:
-        """Release data + canaries through the optimizer's own clipping and noise; summed_grad is the data's again after."""
+    def release_with(self, planted: Planted, which: np.ndarray, step: int) -> CanarySum:
+        """Release data + the selected canaries through the optimizer's noise; summed_grad is the data's again after."""
         params = self.probe.params
-        added = self.probe.clip(self.optimizer, *rows_and_columns)
+        added = self.canary_sum(planted, which, step)
         added.enter(params)
         try:
             self.add_noise()
@@ -86,6 +89,21 @@ class PerSampleRelease(LocalChecks):
         finally:  # summed_grad is the data's own again, whatever add_noise did
             added.leave(params)
         return added
+
+
+    def canary_sum(self, planted: Planted, which: np.ndarray, step: int) -> CanarySum:
+        """K of the selected canaries, as settings.canary_clipping says for the step: through the optimizer's own
+        clipping (compared with a correct clipping at the steps that verify it: a difference is finding
+        `canary_clipping`), or as a correct clipping leaves them. Kinds without pre-clipped sums always clip."""
+        how = self.settings.canary_clipping(step) if planted.preclipped is not None else "optimizer"
+        if how == "correct":
+            return planted.preclipped(which)
+        clipped = self.probe.clip(self.optimizer, *planted.rows(which))
+        if how == "compared":
+            problem = self.probe.clipping_problem(clipped, planted.preclipped(which), self.settings.layer_names)
+            if problem is not None:
+                self.settings.note_problem("canary_clipping", f"{problem} (step {step})", step)
+        return clipped
 
 
 def restore_data_sum(params, data_sum) -> None:

@@ -76,7 +76,7 @@ class ReducedRelease(DistributedChecks, PerSampleRelease):
         data = [p.summed_grad for p in params]
         data_at_pool = probe.at_pool(data)
         if mine.any():
-            canaries_at_pool = probe.sum_at_pool(self.release_with(planted.rows(mine)))
+            canaries_at_pool = probe.sum_at_pool(self.release_with(planted, mine, step))
         else:
             self.add_noise()
             canaries_at_pool = np.zeros(len(probe.pool))
