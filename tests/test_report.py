@@ -405,3 +405,29 @@ def test_the_report_of_a_real_audit_reads_back():
     with tempfile.TemporaryDirectory() as directory:
         write_report(directory, result, settings={}, versions={}, history=[], histogram=auditor.log.histogram())
         assert load_report(Path(directory))["result"]["violation"] is False
+
+
+def test_a_layer_row_above_its_claim_without_an_alarm_says_why_on_its_line():
+    import dataclasses
+
+    base = fake_result()
+    first = dataclasses.replace(base.layers[0], violation=False, mu_lower_bound=1.036, mu_claimed=1.0,
+                                mu_lower_bound_anytime=0.91)
+    ok = dataclasses.replace(base, violation=False, violating_layers=(), first_violation_step=None,
+                             layers=(first, *(dataclasses.replace(layer, violation=False, mu_lower_bound=0.5)
+                                              for layer in base.layers[1:])))
+    lines = summary_table({"result": ok.to_dict()}).splitlines()
+    row = next(line for line in lines if line.lstrip().startswith(first.name + " "))
+    assert "1.036" in row and "above its claim at one look; no alarm: the anytime bound the alarm uses is 0.910" in row
+    others = [line for line in lines if any(line.lstrip().startswith(layer.name + " ") for layer in ok.layers[1:])]
+    assert others and not any("above its claim" in line for line in others)
+
+
+def test_an_ok_verdict_says_when_the_exact_checks_compared_nothing():
+    import dataclasses
+
+    ok = dataclasses.replace(fake_result(), violation=False, violating_layers=(), first_violation_step=None,
+                             data_path="nothing compared yet (no forward pass of the model was seen)",
+                             layers=tuple(dataclasses.replace(layer, violation=False) for layer in fake_result().layers))
+    assert summary_table({"result": ok.to_dict()}).splitlines()[0] == (
+        "OK: no leak beyond the claim detected; the exact checks compared nothing (see below)")
