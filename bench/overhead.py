@@ -6,6 +6,7 @@ ratio of the medians is reported for each mode.
 
     .venv/bin/python bench/overhead.py [--steps 300] [--rounds 5] [--batch-size 64] [--canaries auto]
     .venv/bin/python bench/overhead.py --canary crafted --canaries 32 --modes one-run --steps 1000 --rounds 3
+    .venv/bin/python bench/overhead.py --modes one-run --profile     # and where the audited step's time goes
 
 `--modes` takes the audit's modes (one-run, paired) and `no-checks`: one-run with the exact
 data-path checks off (per_sample_check_every=0), so that the checks' own share shows side by
@@ -14,6 +15,12 @@ auditor is given the loader (`watch_loader`, as the guides show), so the run che
 per-step work (each batch's fingerprint and records, each step's rows) is clocked on its own, and
 their replays at the exact checks' steps count inside the exact checks.
 (bench/data_path_overhead.py compares the same two on the 10 M transformer and a dropout model.)
+
+Each mode's row gives the audit's own time per step in milliseconds (its median minus the
+plain run's) beside the ratio. `--profile` then times one more audited run of the same length
+with each part of the audited step clocked on its own (plant, the canaries' sum, entering and
+leaving the clipped sum, the optimizer's own noise, reading the release, recording and checking,
+the run checks, the exact checks), in ms per step: a regression shows where.
 
 With an input canary kind both runs train on the digits less the 256 held out for the
 canaries, and the time of building and re-crafting canaries is included.
@@ -56,7 +63,44 @@ def timed_checks(auditor) -> None:
     run.batch, run.step = clocked(run.batch, "run checks"), clocked(run.step, "run checks")
 
 
-def timed_training(*, steps, batch_size, mode, canaries, canary="dirac"):
+# the audited step's parts: (owner, attribute, label); a part's time includes the parts it calls
+PARTS = (
+    ("pipeline", "audited_step", "audited step (all of the below but the run checks and exact checks)"),
+    ("kind", "plant", "  plant: the step's canaries"),
+    ("path", "canary_sum", "  the canaries' clipped sum (pre-clipped between checks)"),
+    ("path", "add_noise", "  the optimizer's own add_noise (also in the plain step)"),
+    ("path", "view", "  reading the release at the pool"),
+    ("kind", "read", "  the canaries' observations"),
+    ("pipeline", "record_pending", "  recording and checking (every check_every steps)"),
+    ("run_checks", "step", "run checks at the step"),
+    ("run_checks", "batch", "run checks of each batch"),
+    ("per_sample_check", "check", "exact checks (their steps only, amortised)"),
+)
+
+
+def profiled(auditor) -> dict:
+    """Clocks each part of PARTS on this auditor's objects (instance attributes); returns the totals, in seconds."""
+    spent = {}
+    for owner, name, label in PARTS:
+        obj = getattr(auditor, owner, None)
+        if obj is None or not hasattr(obj, name):
+            continue
+        spent[label] = 0.0
+        setattr(obj, name, clocked_into(getattr(obj, name), spent, label))
+    return spent
+
+
+def clocked_into(function, spent: dict, key: str):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - start
+    return run
+
+
+def timed_training(*, steps, batch_size, mode, canaries, canary="dirac", profile=None):
     holdout = HOLDOUT if canary in INPUT_KINDS else 0
     model, optimizer, loader, _ = make_private_digits(batch_size=batch_size, seed=0, holdout=holdout)
     if mode is not None:
@@ -67,7 +111,9 @@ def timed_training(*, steps, batch_size, mode, canaries, canary="dirac"):
         if mode == "no-checks":
             mode, extra["per_sample_check_every"] = "one-run", 0
         auditor = PrivacyAuditor(optimizer, mode=mode, canaries_per_step=canaries, seed=0, canary=canary, **extra)
-        if mode == "one-run" and "per_sample_check_every" not in extra:
+        if profile is not None:
+            profile["spent"] = profiled(auditor)  # filled in as the run goes
+        elif mode == "one-run" and "per_sample_check_every" not in extra:
             timed_checks(auditor)
         auditor.watch_loader(loader)
     start = time.perf_counter()
@@ -83,6 +129,7 @@ def main():
     parser.add_argument("--canaries", default="auto", help="canaries per step (default: the auditor's)")
     parser.add_argument("--modes", nargs="+", default=["one-run", "paired"])
     parser.add_argument("--canary", default="dirac", help="canary kind (gradient or input)")
+    parser.add_argument("--profile", action="store_true", help="then one audited run (the first mode) with its parts clocked")
     args = parser.parse_args()
     args.canaries = args.canaries if args.canaries == "auto" else int(args.canaries)
     warnings.filterwarnings("ignore")
@@ -97,12 +144,12 @@ def main():
             )
     base = np.median(times[None])
     print(f"canary={args.canary} steps={args.steps} rounds={args.rounds} batch={args.batch_size} canaries/step={args.canaries} threads=1")
-    print("| run | median seconds | ms/step | ratio to no auditor |")
-    print("| --- | --- | --- | --- |")
-    print(f"| no auditor | {base:.2f} | {1000 * base / args.steps:.2f} | 1.00 |")
+    print("| run | median seconds | ms/step | audit ms/step | ratio to no auditor |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| no auditor | {base:.2f} | {1000 * base / args.steps:.2f} | | 1.00 |")
     for mode in args.modes:
         t = np.median(times[mode])
-        print(f"| {mode} | {t:.2f} | {1000 * t / args.steps:.2f} | {t / base:.2f} |")
+        print(f"| {mode} | {t:.2f} | {1000 * t / args.steps:.2f} | {1000 * (t - base) / args.steps:.3f} | {t / base:.3f} |")
     if "one-run" in args.modes:
         inside = SPENT["seconds"] / sum(times["one-run"])
         line = f"exact data-path checks (default interval): time inside them {inside:.2%} of the one-run timings"
@@ -112,6 +159,22 @@ def main():
         print(line)
         print(f"run checks' per-step work (fingerprints, records, rows): {SPENT['run checks'] / sum(times['one-run']):.2%} "
               "of the one-run timings")
+    if args.profile:
+        profile_parts(args)
+
+
+def profile_parts(args) -> None:
+    """One more audited run of the first mode with each part of PARTS clocked (the clocks' own cost included)."""
+    mode = args.modes[0]
+    profile: dict = {}
+    total = timed_training(steps=args.steps, batch_size=args.batch_size, mode=mode, canaries=args.canaries,
+                           canary=args.canary, profile=profile)
+    spent = profile["spent"]
+    print(f"\nwhere the time of an audited run ({mode}, {1000 * total / args.steps:.2f} ms/step with the clocks) goes:")
+    print("| part | ms/step |")
+    print("| --- | --- |")
+    for label, seconds in spent.items():
+        print(f"| {label} | {1000 * seconds / args.steps:.3f} |")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,6 @@ class StepReading:
     noise  (SENTINELS,) the release's noise at the sentinel coordinates, in units of sigma*C
            (None when the step has no noise to check)
     segment  the claim segment of the step (claim_segments.py; 0 while the claim never changed)
-    finite the release and the parameters were finite (False: training diverged, engine/divergence.py)
     """
 
     step: int
@@ -77,7 +76,6 @@ class StepReading:
     value: np.ndarray
     noise: Optional[np.ndarray]
     segment: int = 0
-    finite: bool = True
 
 
 class AuditRecord:

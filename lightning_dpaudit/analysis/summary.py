@@ -24,11 +24,11 @@ def summary_table(report: dict) -> str:
             verdict = f"VIOLATION: {DOES_NOT_DESCRIBE} ({', '.join(pipeline)}){where}"
     else:
         verdict = "OK: no leak beyond the claim detected"
-        if str(r.get("data_path") or "").startswith("nothing compared"):  # say what the OK rests on
-            verdict += "; the exact checks compared nothing (see below)"
         diverged = next((f for f in r.get("findings") or [] if f.get("code") == DIVERGED), None)
         if diverged is not None:
             verdict += f" before step {diverged.get('first_step')}, where training diverged (nothing after is audited)"
+        if str(r.get("data_path") or "").startswith("nothing compared"):  # say what the OK rests on
+            verdict += "; the exact checks compared nothing (see below)"
     conf = _num(r.get("confidence"))
     rows = [
         ("", "lower bound", "claimed"),

@@ -3,14 +3,13 @@ a NaN or an infinity.
 
 From that step on every comparison the audit makes (canary observations, exact checks, replays) compares
 non-finite values and says nothing about privacy: the audit records `training_diverged` at the first such step
-(a fault, no alarm) and observes nothing after it. Per step the test stays on the device: one bool per release,
-moved to the host with the step's readings at the next check (readings.py), computed from the release's values at
-the pool coordinates the step reads anyway.
+(a fault, no alarm) and observes nothing after it. Per step nothing is added: the step's readings, moved to the
+host at the next check (readings.py), are tested there.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -29,12 +28,17 @@ def finite_flag(tensors: Iterable) -> torch.Tensor:
     return torch.stack([f if f.device == device else f.to(device) for f in flags]).all()
 
 
-def release_flag(view) -> Union[torch.Tensor, bool]:
-    """Whether a release is finite, read at the pool (two operations a step, whatever the model's size): a NaN or an
-    infinity elsewhere reaches the parameters, and through them every value of the next step's release. Before a
-    problem is recorded, `training_finite` tests everything (the pipeline)."""
-    centered = view.centered
-    return torch.isfinite(centered).all() if torch.is_tensor(centered) else bool(np.isfinite(centered).all())
+def release_finite(view) -> bool:
+    """Whether a release read on the host is finite at the pool (a kind that reads on the host: numpy, no sync)."""
+    return bool(np.isfinite(np.asarray(view.centered)).all())
+
+
+def reading_finite(reading) -> bool:
+    """Whether a step's readings (its canaries' observations and sentinel noise, on the host) are finite. A NaN or an
+    infinity anywhere in a release reaches the parameters, and through them every value of the next step's release:
+    read this way divergence is seen at most a step late, at no cost per step. Before a problem is recorded,
+    `training_finite` tests everything (the pipeline)."""
+    return bool(np.isfinite(reading.value).all()) and (reading.noise is None or bool(np.isfinite(reading.noise).all()))
 
 
 def training_finite(params) -> bool:

@@ -29,8 +29,8 @@ ValueError naming it instead: the step could not complete without the audit eith
 itself (its alarm's error, its own under several processes, that ValueError) is kept as `raised`: an error of
 Opacus's own step is any other (opacus_step.py).
 
-Divergence. Each release's finiteness is read with the step's readings (divergence.py); the first step whose
-release or parameters are not finite is recorded as `training_diverged` (no alarm), its readings and every later
+Divergence. Each release's finiteness is read from the step's readings on the host (divergence.py); the first step
+whose readings are not finite is recorded as `training_diverged` (no alarm), its readings and every later
 step's are dropped, and the steps from it on are plain. Before a problem is recorded the tensors are tested now
 (a host sync, rare): a comparison of non-finite values is the divergence, not a finding.
 """
@@ -138,17 +138,16 @@ class StepPipeline:
             raise
 
     def _read(self, planted, view, step: int, readings: list) -> None:
-        """The kind's reading of one release, with whether the release was finite (kept on the device). A kind that
-        reads on the host anyway learns it now and reads nothing of a non-finite release."""
-        finite = divergence.release_flag(view)
-        if not self.kind.reads_on_device and not bool(finite):
+        """The kind's reading of one release. A kind that reads on the host learns now whether the release is finite
+        and reads nothing of one that is not; on the device that is seen with the readings at the next check."""
+        if not self.kind.reads_on_device and not divergence.release_finite(view):
             self.diverge(step + 1)
             return
-        readings.append((self.kind.read(planted, view), finite))
+        readings.append(self.kind.read(planted, view))
 
     def _end_step(self, step: int, readings: list, segment: int) -> None:
-        for reading, finite in readings:  # a step's readings are pending once the step is complete
-            self.readings.add(step, reading, segment, finite)
+        for reading in readings:  # a step's readings are pending once the step is complete
+            self.readings.add(step, reading, segment)
         self.kind.finish_step()
         self.steps += 1
         if self.steps % self.check_every == 0 or self.steps == self.observe_steps:
@@ -156,9 +155,9 @@ class StepPipeline:
 
     def record_pending(self) -> None:
         """Move the pending readings to the host and record them (no alarm: that waits for a check); from a step
-        whose release was not finite on, none."""
+        whose readings are not finite on, none."""
         readings = self.readings.flush()
-        bad = [r.step + 1 for r in readings if not r.finite]
+        bad = [r.step + 1 for r in readings if not divergence.reading_finite(r)]
         if bad:
             self.diverge(min(bad))
         if self.diverged is not None:

@@ -1,13 +1,13 @@
 """The readings of the steps since the last check, kept where they were computed.
 
-A step's observations, sentinel noise and whether its release was finite (divergence.py) stay on the
-parameters' device; at a check, `flush` moves every pending value to the host in one transfer (one device
+A step's observations and sentinel noise stay on the parameters' device; at a check,
+`flush` moves every pending value to the host in one transfer (one device
 synchronisation per check instead of one per step) and hands back StepReadings.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+from typing import List, Tuple
 
 import numpy as np
 import torch
@@ -18,10 +18,10 @@ from .kinds.base import Reading
 
 class PendingReadings:
     def __init__(self):
-        self._pending: List[Tuple[int, int, Reading, Union[torch.Tensor, bool]]] = []
+        self._pending: List[Tuple[int, int, Reading]] = []
 
-    def add(self, step: int, reading: Reading, segment: int = 0, finite: Union[torch.Tensor, bool] = True) -> None:
-        self._pending.append((step, segment, reading, finite))
+    def add(self, step: int, reading: Reading, segment: int = 0) -> None:
+        self._pending.append((step, segment, reading))
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -29,21 +29,16 @@ class PendingReadings:
     def flush(self) -> List[StepReading]:
         """Every pending reading on the host, in step order; the buffer is empty after."""
         pending, self._pending = self._pending, []
-        parts = [part for _, _, r, f in pending for part in (r.value, r.noise, f) if torch.is_tensor(part)]
+        parts = [part for _, _, r in pending for part in (r.value, r.noise) if torch.is_tensor(part)]
         if parts:
-            device = parts[0].device
-            host = iter(torch.split(torch.cat([p.reshape(-1).double().to(device) for p in parts]).cpu(),
-                                    [p.numel() for p in parts]))
+            host = iter(torch.split(torch.cat([p.reshape(-1).double() for p in parts]).cpu(), [p.numel() for p in parts]))
         out = []
-        for step, segment, r, finite in pending:
+        for step, segment, r in pending:
             value = next(host).numpy() if torch.is_tensor(r.value) else np.asarray(r.value, dtype=np.float64)
             noise = r.noise
             if torch.is_tensor(noise):
                 noise = next(host).numpy()
             elif noise is not None:
                 noise = np.asarray(noise, dtype=np.float64)
-            if torch.is_tensor(finite):
-                finite = bool(next(host).item())
-            out.append(StepReading(step, np.asarray(r.layer), np.asarray(r.is_in, dtype=bool), value, noise, segment,
-                                   finite=bool(finite)))
+            out.append(StepReading(step, np.asarray(r.layer), np.asarray(r.is_in, dtype=bool), value, noise, segment))
         return out
