@@ -226,11 +226,13 @@ def test_the_rest_of_the_zoo(bug, sigma, expected):
 
 @pytest.mark.parametrize("bug", ["no-clipping", "batch-clipping"])
 def test_clipping_bugs_are_also_a_certainty_of_the_clipped_sum(bug):
-    """The exact check clips each real example itself at step 1: the optimizer's sum differs."""
+    """The exact check clips each real example itself at step 1: the optimizer's sum differs; at the same step the
+    canaries' pass through the optimizer's clipping is not a correct clipping; the canaries' moments show it too."""
     result = audit_optimizer(bug=bug, steps=20, expect_violation=True)
-    assert codes(result.findings) == ("clipped_sum", "clipping")
-    exact = result.findings[0]
+    assert codes(result.findings) == ("clipped_sum", "canary_clipping", "clipping")
+    exact, canaries = result.findings[:2]
     assert exact.first_step == 1 and "each example's gradient clipped to C" in exact.message
+    assert canaries.first_step == 1 and "is not clipping to C in `features.0.weight`" in canaries.message
 
 
 def test_paired_mode_reads_noise_and_clipping_too():
@@ -252,8 +254,8 @@ def test_alert_and_failure_messages_carry_the_findings():
     assert first.startswith("DP AUDIT VIOLATION at step 1: noise_scale: noise std 0.0")  # the verdict and the cause first
     assert "; epsilon >= " in first and "; per-step mu lower bound" in first  # the numbers after
     assert cause.startswith("  - noise_scale: noise std 0.0") and "calibrated to C/B" in cause
-    with pytest.raises(PrivacyAuditFailure, match=r"leaks more than it claims: .*\n  - clipped_sum: .*\n  - clipping: "
-                                                  r"in-canaries move the release"):
+    with pytest.raises(PrivacyAuditFailure, match=r"leaks more than it claims: .*\n  - clipped_sum: .*\n  - canary_clipping: "
+                                                  r".*\n  - clipping: in-canaries move the release"):
         audit_optimizer(bug="no-clipping", steps=20)
     with pytest.warns(PrivacyViolationWarning, match=r"violating: classifier.3.bias\n  - layer: noise std below the claim"):
         audited(0, 60, bug="unnoised-layer", on_violation=None)
