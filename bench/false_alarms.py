@@ -57,7 +57,9 @@ from lightning_dpaudit.analysis.results import PIPELINE_CODES
 from lightning_dpaudit.testing import train_audited
 
 FULL_CADENCE = dict(per_sample_check_budget=1.0)  # the exact checks at every due step, whatever they cost
-EXACT_CODES = {"per_sample_gradients", "clipped_sum", "claim_unaccounted"}  # the data path's exact checks
+# the data path's exact checks, and the causes that are not privacy findings (any of them on a correct run is wrong)
+EXACT_CODES = {"per_sample_gradients", "clipped_sum", "claim_unaccounted", "canary_clipping", "training_diverged",
+               "opacus_error"}
 PHYSICAL_BATCH = 16  # bmm: BatchMemoryManager's max_physical_batch_size (the expected batch is 64)
 
 
@@ -261,7 +263,7 @@ def _ddp(args, runs, start):
           f"({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%); "
           f"ranks disagreeing: {disagree}; audits failed: {len(failed)}")
-    print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
+    print(f"exact data-path findings (per-sample gradients, clipped sum, accounting, canary clipping, divergence, Opacus errors): {len(exact)}/{args.runs} runs "
           f"{exact or ''}")
     _print_pipeline(pipeline, args.runs, status)
 
@@ -304,7 +306,7 @@ def main():
     print(f"mode={args.mode} runs={args.runs} (from run {args.first_run}) steps={args.steps} sigma={args.sigma} "
           f"({time.perf_counter() - start:.0f} s)")
     print(f"anytime alarm (default): {alarms}/{args.runs} = {alarms / args.runs:.1%} false alarms (allowed 5%)")
-    print(f"exact data-path findings (per-sample gradients, clipped sum, accounting): {len(exact)}/{args.runs} runs "
+    print(f"exact data-path findings (per-sample gradients, clipped sum, accounting, canary clipping, divergence, Opacus errors): {len(exact)}/{args.runs} runs "
           f"{exact or ''}")
     _print_pipeline([(o["seed"], o["pipeline"]) for o in outcomes if o["pipeline"]], args.runs,
                     (outcomes[0]["seed"], outcomes[0]["status"]) if outcomes else None)
