@@ -42,13 +42,14 @@ from lightning_dpaudit.testing import HOLDOUT
 SPENT = {"seconds": 0.0, "run checks": 0.0}  # time inside the exact checks (check and ledger) and the run checks' steps
 
 
-def clocked(function, key: str):
+def clocked(function, key: str, spent: dict = SPENT):
+    """`function`, its time added to spent[key] at each call."""
     def run(*args, **kwargs):
         start = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
-            SPENT[key] += time.perf_counter() - start
+            spent[key] += time.perf_counter() - start
     return run
 
 
@@ -86,18 +87,8 @@ def profiled(auditor) -> dict:
         if obj is None or not hasattr(obj, name):
             continue
         spent[label] = 0.0
-        setattr(obj, name, clocked_into(getattr(obj, name), spent, label))
+        setattr(obj, name, clocked(getattr(obj, name), label, spent))
     return spent
-
-
-def clocked_into(function, spent: dict, key: str):
-    def run(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            spent[key] += time.perf_counter() - start
-    return run
 
 
 def timed_training(*, steps, batch_size, mode, canaries, canary="dirac", profile=None):
