@@ -1078,10 +1078,16 @@ def _lightning_parts():
 
     from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
-    class Digits(pl.LightningDataModule):
+    from opacus.data_loader import DPDataLoader
+    from opacus.lightning import DPLightningDataModule
+
+    class Shuffled(pl.LightningDataModule):
         def train_dataloader(self):
             return DataLoader(Subset(digits_dataset(), range(256)), batch_size=64, shuffle=True,
                               generator=torch.Generator().manual_seed(0))
+
+    def Digits():  # Poisson sampling at the accountant's rate, as a correct DP run draws its batches (seeded)
+        return DPLightningDataModule(Shuffled(), generator=torch.Generator().manual_seed(0))
 
     class Private(pl.LightningModule):
         def __init__(self, plain=False):
@@ -1100,10 +1106,10 @@ def _lightning_parts():
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
             if self.plain:
                 return optimizer
+            loader = self.trainer.datamodule.train_dataloader()
             _, optimizer, _ = PrivacyEngine().make_private(
-                module=self, optimizer=optimizer, data_loader=self.trainer.datamodule.train_dataloader(),
-                noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
-                noise_generator=torch.Generator().manual_seed(1))
+                module=self, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                poisson_sampling=isinstance(loader, DPDataLoader), noise_generator=torch.Generator().manual_seed(1))
             return optimizer
 
     return pl, Digits, Private
@@ -1296,7 +1302,7 @@ def cli_cases():
         (["demo", "--steps", "1e3"], REFUSED), (["demo", "--steps", str(10**30)], REFUSED),
         (["demo", "--canaries", "1"], REFUSED), (["demo", "--canaries", str(10**12)], REFUSED),
         (["demo", "--noise-multiplier", "-1"], REFUSED), (["demo", "--noise-multiplier", "inf"], REFUSED),
-        (["demo", "--noise-multiplier", "1e-300", "--steps", "2", "--canaries", "4"], HANDLED),
+        (["demo", "--noise-multiplier", "1e-300", "--steps", "2", "--canaries", "4"], "refused"),  # noise 0 in float32
         (["demo", "--noise-multiplier", "abc"], REFUSED), (["demo", "--seed", "-5"], REFUSED),
         (["demo", "--seed", str(2**70), "--steps", "2", "--canaries", "4"], REFUSED),
         (["demo", "--threads", "0"], REFUSED), (["demo", "--canary", "DIRAC"], REFUSED),

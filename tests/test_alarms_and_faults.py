@@ -223,3 +223,45 @@ def test_the_report_shows_the_failure_and_refuses_a_malformed_one(tmp_path):
     (tmp_path / "audit_report.json").write_text(json.dumps(report))
     with pytest.raises(ReportError, match="`audit_failed` is 3"):
         load_report(tmp_path)
+
+
+def test_a_fault_recording_before_an_exact_check_leaves_training_running():
+    """At the exact checks' steps the pending readings are recorded first (a divergence test); a fault there is the
+    audit's own: training goes on as plain Opacus makes it."""
+    model, optimizer, loader, _ = make_private_digits(seed=5)
+    train_steps(model, optimizer, loader, 6)
+    plain = _params(model)
+    model, optimizer, loader, auditor, _ = _audited(bug=None)
+    original, failed = auditor.record.add, []
+
+    def broken(*args, **kwargs):
+        if auditor.steps == 1 and not failed:  # the pending readings of step 1, recorded before step 2's exact check
+            failed.append(True)
+            raise RuntimeError("record failed")
+        return original(*args, **kwargs)
+
+    auditor.record.add = broken
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        train_steps(model, optimizer, loader, 6)
+    assert [w for w in record if issubclass(w.category, AuditFailedWarning)]
+    assert torch.allclose(_params(model), plain, rtol=0, atol=1e-6)
+    assert "RuntimeError: record failed" in auditor.result().audit_failed
+
+
+def test_what_on_violation_raises_at_an_exact_checks_finding_reaches_the_training_loop():
+    """A finding of the exact check (the optimizer does not clip) alarms inside the check; the user's exception is
+    theirs, not the check's own failure."""
+
+    class Stop(Exception):
+        pass
+
+    def stop(result):
+        raise Stop("stop training")
+
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    inject_bug(optimizer, "batch-clipping")
+    auditor = PrivacyAuditor(optimizer, seed=1, on_violation=stop, check_every=1)
+    with pytest.raises(Stop):
+        train_steps(model, optimizer, loader, 40)
+    assert auditor.per_sample_check.failed is None and auditor.steps <= 2

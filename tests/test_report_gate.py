@@ -162,3 +162,11 @@ def test_the_demo_refuses_a_noise_multiplier_whose_claim_is_beyond_the_float_ran
     assert exit_.value.code == 2
     assert re.search(r"--noise-multiplier: 1e-320 is below 1e-300: the claimed mu = 1 / 1e-320 is beyond the float "
                      r"range; use a finite number >= 1e-300", capsys.readouterr().err)
+
+
+def test_the_demo_refuses_a_noise_float32_draws_as_zero_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--noise-multiplier", "1e-300", "--steps", "2"])
+    assert exit_.value.code == 2
+    assert re.search(r"argument --noise-multiplier: the noise's std noise_multiplier \* max_grad_norm = 1e-300 is below "
+                     r"float32's smallest normal number", capsys.readouterr().err)

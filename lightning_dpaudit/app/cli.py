@@ -169,6 +169,12 @@ def _check_demo_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error("argument --final-model-kind: needs argument --final-model (the final-model audit it configures)")
     if args.final_model_kind is None:
         args.final_model_kind = "ood"
+    if not args.no_audit:  # the audit refuses a claim float32 cannot hold: said here, as a usage error
+        from ..engine.claim_range import noise_problem
+
+        problem = noise_problem(args.noise_multiplier, 1.0)  # the demo clips at C = 1
+        if problem is not None:
+            parser.error(f"argument --noise-multiplier: {problem}")
     if args.canaries is not None and not args.no_audit:
         from .demo import demo_max_canaries
 

@@ -173,6 +173,7 @@ class PrivacyAuditor:
             ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer),
             off_reason=None if path_class.checks_per_sample else "not yet under FSDP",
             on_accumulate=self.run_checks.accumulated, further=(self.run_checks.coupling.replay,),
+            passes_on=lambda error: error is self.pipeline._passed,
         )
         self.path.verify_start(options.canaries_per_step, seed)
         self.path.attach(self._noised_step)
@@ -199,14 +200,7 @@ class PrivacyAuditor:
         as without it, one AuditFailedWarning); what the audited step raises is its own to pass on. Once training
         diverged (divergence.py) the step is the plain one, with no check: at the exact checks' steps the tensors
         they would compare are tested first."""
-        pipeline = self.pipeline
-        if pipeline.diverged is None and self.per_sample_check.due(pipeline.steps):
-            pipeline.diverged_by_now()
-        if pipeline.diverged is not None:
-            self.per_sample_check.close()
-            pipeline.audited_step()
-            return
-        entered = False
+        pipeline, entered = self.pipeline, False
 
         def audited_step():
             nonlocal entered
@@ -214,11 +208,17 @@ class PrivacyAuditor:
             self.pipeline.audited_step()
 
         try:
+            if pipeline.diverged is None and not pipeline.failed and self.per_sample_check.due(pipeline.steps):
+                pipeline.diverged_by_now()
+            if pipeline.diverged is not None:
+                self.per_sample_check.close()
+                audited_step()  # the plain step
+                return
             self.run_checks.step()
             self.per_sample_check.around(self.pipeline.steps, audited_step)
         except Exception as error:
-            if entered or self.pipeline.failed or not self.path.local:
-                if not entered:
+            if entered or self.pipeline.failed or not self.path.local or error is self.pipeline._passed:
+                if not entered and error is not self.pipeline._passed:
                     self.pipeline.raised = error  # the audit's own
                 raise
             self.pipeline._fail(error, self.pipeline.steps, noised=False)

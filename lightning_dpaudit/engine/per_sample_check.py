@@ -87,11 +87,13 @@ class PerSampleCheck:
     def __init__(self, optimizer, params, names, module: Callable, steps: Callable[[], int], *, every: int,
                  examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None,
                  off_reason: Optional[str] = None, budget: float = DEFAULT_BUDGET,
-                 on_accumulate: Optional[Callable[[], None]] = None, further: tuple = ()):
+                 on_accumulate: Optional[Callable[[], None]] = None, further: tuple = (),
+                 passes_on: Callable[[BaseException], bool] = lambda error: False):
         self.optimizer, self.params, self.names = optimizer, list(params), names
         self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
         self.on_accumulate = on_accumulate  # told of every physical batch the optimizer accumulates (run_checks)
         self.further = tuple(further)  # further replays at a checked step: step -> whether they found the examples coupled
+        self.passes_on = passes_on  # what the alarm raised through note_problem (the user's on_violation): not the check's
         self.module, self.steps, self.note_problem = module, steps, note_problem
         self.every, self.examples, self.ghost, self.off_reason = every, examples, ghost, off_reason
         self.budget = CheckBudget(budget)  # the ledger's additions, the replay and the comparison count against it
@@ -205,7 +207,9 @@ class PerSampleCheck:
             self.budget.step_checked()
             if problem is not None:
                 self.note_problem("clipped_sum", f"{problem} (step {step})", step)
-        except Exception as error:  # the check's own failure never ends training
+        except Exception as error:  # the check's own failure never ends training; the alarm's is the user's
+            if self.passes_on(error):
+                raise
             self._stop(error, step)
 
     def _stop(self, error: Exception, step: int) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
+import numpy as np
+
 from .base import PIPELINE_CODES, RunView, batch_tensors, records_in
 from .coupling import CouplingCheck
 from .multiplicity import MultiplicityCheck
@@ -44,7 +46,9 @@ def check_run_options(*, data_loader, training_loss, other_optimizers) -> None:
 class RunChecks:
     def __init__(self, view: RunView, *, seed: Optional[int], delta: float, training_loss: Optional[Callable],
                  due: Callable[[int], bool], busy: Callable[[], bool]):
-        self.sampling = SamplingCheck(0 if seed is None else seed, delta)
+        # the fingerprints' own torch generator: seeded from the audit's seed (any size numpy takes), within torch's range
+        own_seed = int(np.random.default_rng(None if seed is None else [seed, 29]).integers(2**62))
+        self.sampling = SamplingCheck(own_seed, delta)
         self.multiplicity = MultiplicityCheck()
         self.coupling = CouplingCheck(seed, training_loss)
         self.outside = OutsideDPCheck()
