@@ -947,6 +947,20 @@ def test_a_noise_multiplier_opacus_cannot_draw_with_is_named_by_the_audit_before
     assert not hasattr(optimizer, "_dpaudit_auditor")  # detached: the optimizer as without the audit
 
 
+@_pytest.mark.parametrize("value", [float("nan"), -1.0])
+def test_a_clipping_bound_opacus_cannot_draw_noise_with_is_named_as_the_clipping_bound(value):
+    """max_grad_norm set to NaN or below 0 mid-run: the noise's std sigma * C cannot be drawn; the error names C,
+    not the noise multiplier."""
+    model, optimizer, loader, _ = _private(seed=0)
+    auditor = _Auditor(optimizer, seed=1)
+    _train(model, optimizer, loader, 1)
+    optimizer.max_grad_norm = value
+    with _pytest.raises(ValueError, match=r"the optimizer's max_grad_norm: "):
+        _train(model, optimizer, loader, 1)
+    failed = auditor.result(accounting=False).audit_failed
+    assert "max_grad_norm" in failed and "noise_multiplier: " not in failed
+
+
 def test_a_noise_multiplier_of_zero_mid_run_does_not_stop_training():
     """Plain Opacus completes a step at noise multiplier 0 (no noise): so does the audited optimizer."""
     from lightning_dpaudit.engine.pipeline import AuditFailedWarning

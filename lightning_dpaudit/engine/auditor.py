@@ -43,7 +43,7 @@ from .options import (
 )
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
-from .pipeline import StepPipeline
+from .pipeline import StepPipeline, noise_cause
 from .run_checks import RunChecks, check_run_options
 from .state import AuditStateError, check_state, composed_steps, dump_state, setup_of
 from .user_warning import warn_at_user_code
@@ -208,6 +208,10 @@ class PrivacyAuditor:
             self.pipeline.audited_step()
 
         try:
+            if not pipeline.failed and noise_cause(self.optimizer)[0] == "max_grad_norm":  # set to NaN, 0 or below
+                bound = self.optimizer.max_grad_norm  # named now, not taken for a divergence of the values it gives
+                raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {bound!r}; clipping needs a "
+                                 "finite bound > 0")
             if pipeline.diverged is None and not pipeline.failed and self.per_sample_check.due(pipeline.steps):
                 pipeline.diverged_by_now()
             if pipeline.diverged is not None:

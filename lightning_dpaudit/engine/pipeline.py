@@ -74,6 +74,17 @@ class NoiseCalls:
         path.add_noise = counted
 
 
+def noise_cause(optimizer) -> tuple:
+    """(name, value) of the factor of the noise's std the optimizer cannot draw with: max_grad_norm where it is not a
+    finite number > 0, else noise_multiplier."""
+    bound = getattr(optimizer, "max_grad_norm", None)
+    try:
+        valid = math.isfinite(float(bound)) and float(bound) > 0
+    except (TypeError, ValueError):
+        valid = False
+    return ("max_grad_norm", bound) if not valid else ("noise_multiplier", getattr(optimizer, "noise_multiplier", None))
+
+
 def plain_noise_fails(optimizer) -> bool:
     """Whether the optimizer's own add_noise raises on its noise multiplier, as Opacus draws it (std = noise_multiplier
     * max_grad_norm: a string, or a NaN or negative std other than 0); never for a value Opacus draws noise with."""
@@ -249,13 +260,13 @@ class StepPipeline:
         if not noised and plain_noise_fails(optimizer):
             # the optimizer's own add_noise would raise on its noise multiplier, as plain Opacus does: the step
             # cannot complete either way, and this error says why (before Opacus's own, a torch error)
-            sigma = optimizer.noise_multiplier
-            if "noise_multiplier" in str(error):
+            if "noise_multiplier" in str(error) or "max_grad_norm" in str(error):
                 self.raised = error
                 raise error
-            self.raised = ValueError(f"Unexpected value for the optimizer's noise_multiplier: {sigma!r}; the "
-                                     "optimizer's own add_noise cannot draw noise with it (it must be a finite "
-                                     "number > 0)")
+            name, value = noise_cause(optimizer)
+            self.raised = ValueError(f"Unexpected value for the optimizer's {name}: {value!r}; the optimizer's own "
+                                     "add_noise cannot draw noise with it (its std noise_multiplier * max_grad_norm "
+                                     "must be a finite number > 0)")
             raise self.raised from error
         if not noised:
             for p in self.kind.probe.params:
