@@ -136,3 +136,25 @@ class Adapted(nn.Module):
 def test_adapters_spread_over_a_module_list_are_compared():
     auditor = _run(Adapted(), _features(), _lm_loss, "hooks")
     assert not auditor.result().violation and auditor.per_sample_check.checked == 2
+
+
+class SharedBlock(nn.Module):
+    """One linear block applied twice in the forward pass (weights shared across depth, as in ALBERT)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.block(h))
+        return self.out(torch.tanh(self.block(h)))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])  # ghost clipping refuses a module called twice (Opacus)
+def test_a_module_called_twice_is_compared_with_its_two_calls_summed(mode):
+    auditor = _run(SharedBlock(), _features(), _lm_loss, mode)
+    result = auditor.result(accounting=False)
+    # steps 2 and 3 (step 1's forward pass runs before the check's hooks exist)
+    assert auditor.per_sample_check.checked == 2 and auditor.per_sample_check.failed is None
+    assert not result.findings, [f.message for f in result.findings]
