@@ -48,6 +48,20 @@ def set_buffers(module: torch.nn.Module, values: list) -> None:
             b.copy_(value)
 
 
+@contextlib.contextmanager
+def samples_set_aside(params):
+    """The step's per-sample gradients set aside while a replay runs, then put back: expanded weights write
+    p.grad_sample from any backward pass through the module, and refuse to while it holds the step's."""
+    held = [(p, p.grad_sample) for p in params if getattr(p, "grad_sample", None) is not None]
+    for p, _ in held:
+        p.grad_sample = None
+    try:
+        yield
+    finally:
+        for p, samples in held:
+            p.grad_sample = samples
+
+
 def captured(args, kwargs) -> Call:
     """A forward pass about to run on (args, kwargs): its inputs, torch's RNG states and autocast regions."""
     devices = sorted({t.device.index for t in tensors((args, kwargs)) if t.device.type == "cuda"})

@@ -38,7 +38,7 @@ import torch
 from .check_budget import CheckBudget
 from .forward_replay import (
     EPS32, Call, buffer_values, captured, keep_output, precision, replay_forward, same_rows, set_buffers, sliced,
-    smallest_module_holding,
+    smallest_module_holding, samples_set_aside,
 )
 from .instance_patch import InstancePatch
 
@@ -321,23 +321,17 @@ class PerSampleCheck:
         gsm = self.module()
         was_enabled = getattr(gsm, "hooks_enabled", False)
         buffers = buffer_values(self.target)
-        # expanded weights write p.grad_sample from any backward pass through the module, and refuse to while it holds
-        # the step's: the step's are set aside for the replay and put back after
-        held = [(p, p.grad_sample) for p in self.params if getattr(p, "grad_sample", None) is not None]
         self.replaying = True
         try:
-            for p, _ in held:
-                p.grad_sample = None
             if was_enabled:
                 gsm.disable_hooks()
             # Opacus's switched-off backward hooks still fire here, and torch may warn about them as it did in
             # training, once per location; no warnings.catch_warnings: leaving one would show every once-per-location
             # warning of the user's run again
-            yield
+            with samples_set_aside(self.params):
+                yield
         finally:
             self.replaying = False
-            for p, samples in held:
-                p.grad_sample = samples
             if was_enabled:
                 gsm.enable_hooks()
             set_buffers(self.target, buffers)

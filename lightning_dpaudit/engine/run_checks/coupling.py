@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from ..forward_replay import (
-    buffer_values, captured, keep_output, replay_forward, same_rows, set_buffers, smallest_module_holding, tensors,
+    buffer_values, captured, keep_output, replay_forward, same_rows, samples_set_aside, set_buffers,
+    smallest_module_holding, tensors,
 )
 from .base import DOES_NOT_DESCRIBE, RunCheck, records_in
 from .outside_dp import CODE as OUTSIDE_DP, listed
@@ -267,15 +268,17 @@ class CouplingCheck(RunCheck):
                     f"it arises in {where}: per-example clipping then bounds nothing about one record", step)
 
     def _step(self, step_fn, batch, target, rows, call, module):
+        """`_replayed_step` with the step's per-sample gradients set aside (expanded weights write them again)."""
+        with samples_set_aside(self.run.params):
+            return self._replayed_step(step_fn, batch, target, rows, call, module)
+
+    def _replayed_step(self, step_fn, batch, target, rows, call, module):
         """({leaf: chosen output rows}, {leaf: chosen rows of the loss's gradient}, `module`'s buffers after) of one
         training step, from the states it started in; None if it gives no loss."""
         torch_state, numpy_state, python_state = self.states
         captured = []
         handle = target.register_forward_hook(lambda m, a, out: captured.append(out) if not captured else None)
         set_buffers(module, self.step_buffers)
-        for p in self.run.params:  # expanded weights refuse a backward pass over held samples (the step's are set aside)
-            if getattr(p, "grad_sample", None) is not None:
-                p.grad_sample = None
         numpy_now, python_now = np.random.get_state(), random.getstate()
         try:
             with torch.random.fork_rng(devices=[]), torch.enable_grad():
