@@ -42,7 +42,7 @@ Modes (the naive rule is replayed for `hooks` only):
               model given as data_loader and module=
   adaptive-ghost  the same under PrivacyEngineAdaptiveClipping (the bound moves after each step)
   fsdp        two processes training the token classifier under Opacus's FSDP2Wrapper and
-              grad_sample_mode="ghost_fsdp" (the exact checks are off there); as ddp otherwise
+              grad_sample_mode="ghost_fsdp" (each rank's exact checks replay from the gathered tensors); as ddp otherwise
               (tests/ddp_scenarios.py's false_alarms, setup "fsdp")
 """
 

@@ -133,7 +133,7 @@ def _summary(auditor):
     return {"violation": r.violation, "first_violation_step": r.first_violation_step, "violating": list(r.violating_layers),
             "mu_lower_bound": r.mu_lower_bound, "n_in": r.n_in, "n_out": r.n_out, "steps": r.steps,
             "problems": [list(p) for p in auditor.problems], "epsilon_lower_bound": r.epsilon_lower_bound,
-            "epsilon_accountant": r.epsilon_accountant}
+            "epsilon_accountant": r.epsilon_accountant, "data_path": r.data_path}
 
 
 def _halve_linear_bias_samples():
@@ -224,7 +224,7 @@ def false_alarms(rank, world, options):
 
     setup "ddp" (default): the MLP under DPDDP and its DistributedDPOptimizer, the exact checks at every due step;
     "fsdp": the token classifier of ghost_setups.py under Opacus's FSDP2Wrapper, grad_sample_mode="ghost_fsdp"
-    (the exact checks are off there). Both with make_private's Poisson sampling (poisson_sampling=True: a
+    (the exact checks at every due step: under FSDP the ranks check together). Both with make_private's Poisson sampling (poisson_sampling=True: a
     DPDataLoader over DistributedUniformWithReplacementSampler), the loader given to the audit as data_loader."""
     from lightning_dpaudit import PrivacyAuditor
 

@@ -80,8 +80,11 @@ def bugs(rank, world, options):
         module, optimizer, criterion, loader = _private(rank, world, options["mode"])
         if name != "correct":
             inject_bug(optimizer, name, module=module)
-        # the canaries' reading alone: the exact checks' per-rank findings are tested on their own (test_distributed)
-        auditor = PrivacyAuditor(optimizer, seed=3, on_violation=_stop, per_sample_check_every=0)
+        # the canaries' reading alone (stopped at the first alarm), or with the exact checks at every step
+        # (options["exact"]; the whole run, so that every check has its say)
+        auditor = PrivacyAuditor(optimizer, seed=3, on_violation=(lambda result: None) if options.get("exact") else _stop,
+                                 per_sample_check_every=1 if options.get("exact") else 0,
+                                 per_sample_check_budget=1.0)  # every due step checked
         try:
             train_ghost(module, optimizer, criterion, loader, int(options.get("steps", 60)))
         except _Stop:
@@ -108,13 +111,61 @@ def false_alarms(rank, world, options):
     return {"outcomes": outcomes}
 
 
+def pipeline(rank, world, options):
+    """FSDP's run checks and exact checks on mistakes of the user's own step or model, each run 8 steps (no stop):
+    copies of the batch inside the step, a module centring over the batch, and a mixed-precision policy that the
+    exact checks' replay declines (the audit stays quiet there and says so)."""
+    import torch
+    from ghost_setups import make_ghost, token_data, token_model
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_dpaudit import PrivacyAuditor
+
+    class Centred(torch.nn.Module):  # statistics over the batch in training: each row depends on the others
+        def forward(self, x):
+            return x - x.mean(dim=0, keepdim=True)
+
+    def centred_model():
+        model = token_model(0)
+        return torch.nn.Sequential(*model[:4], Centred(), *model[4:])
+
+    cases = {
+        "copies": (token_model, {}, lambda x, y: (torch.cat([x, x]), torch.cat([y, y]))),
+        "centred": (centred_model, {}, lambda x, y: (x, y)),
+        "mixed_precision": (token_model, {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
+                            lambda x, y: (x, y)),
+    }
+    data = token_data()
+    found = {}
+    for name, (build, wrap, step_input) in cases.items():
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+        module, optimizer, criterion, loader = make_ghost(
+            module=FSDP2Wrapper(build(), **wrap), dataset=data, sampler=sampler, batch_size=32, seed=5 + rank,
+            grad_sample_mode="ghost_fsdp")
+        auditor = PrivacyAuditor(optimizer, module=module, seed=3, on_violation=lambda result: None,
+                                 data_loader=loader, per_sample_check_every=1)
+        batches = iter(loader)
+        for _ in range(8):
+            x, y = step_input(*next(batches))
+            criterion(module(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        result = auditor.result(accounting=False)
+        found[name] = {"findings": sorted({f.code for f in result.findings}), "data_path": result.data_path,
+                       "pipeline": result.pipeline, "first": {f.code: f.first_step for f in result.findings}}
+        auditor.detach()
+    return found
+
+
 def _stop(result):
     raise _Stop
 
 
 def both(rank, world, options):
-    """`correct` and `bugs` in one job (one start-up of the process group)."""
-    return {"correct": correct(rank, world, options), "bugs": bugs(rank, world, options)}
+    """`correct`, `bugs` and the exact checks' bugs in one job (one start-up of the process group)."""
+    return {"correct": correct(rank, world, options), "bugs": bugs(rank, world, options),
+            "exact": bugs(rank, world, {**options, "names": options["exact_names"], "exact": True})}
 
 
 if __name__ == "__main__":

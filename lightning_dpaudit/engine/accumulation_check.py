@@ -10,7 +10,7 @@ that batch's clipped sum at the pool coordinates P, computed on its own:
 
 At the noised step summed_grad[P] must equal L. A physical batch dropped or counted twice
 (Opacus 1.5.x's ghost accumulation kept p.grad itself as summed_grad) breaks the equality:
-finding `per_sample_gradients`. Memory: one value per pool coordinate.
+finding `per_sample_gradients`. Memory: one value per pool coordinate. Under FSDP each rank compares the pool coordinates it holds.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ RTOL = 1e-3
 
 
 class AccumulationLedger:
-    def __init__(self, optimizer, probe, *, ghost: bool, per_layer: bool):
+    def __init__(self, optimizer, probe, *, ghost: bool, per_layer: bool, gather=None, summed=None):
         self.optimizer, self.probe, self.ghost, self.per_layer = optimizer, probe, ghost, per_layer
+        self.gather = gather or probe.gather  # values at the pool (under FSDP: at the coordinates this rank holds)
+        self.summed = summed or (lambda: [p.summed_grad for p in probe.params])  # the optimizer's accumulated sums
         self.total: Optional[torch.Tensor] = None
         self.batches = 0
         self.eps = 0.0  # unit roundoff of the lowest precision the batches' per-sample values were held in
@@ -34,7 +36,7 @@ class AccumulationLedger:
         params = self.probe.params
         if self.ghost:
             held = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-            part = self.probe.gather(held)
+            part = self.gather(held)
         else:
             held = [torch.cat(p.grad_sample) if isinstance(p.grad_sample, list) else p.grad_sample for p in params]
             part = self._clipped_sum_at_pool(held)
@@ -62,8 +64,7 @@ class AccumulationLedger:
         self.total, self.batches, self.eps = None, 0, 0.0
         if total is None:
             return None
-        held = self.probe.gather([torch.zeros_like(p) if p.summed_grad is None else p.summed_grad
-                                  for p in self.probe.params])
+        held = self.gather([torch.zeros_like(p) if s is None else s for p, s in zip(self.probe.params, self.summed())])
         gap = float((held - total).norm())
         scale = max(float(held.norm()), float(total.norm()))
         if gap <= max(RTOL, 4 * low) * scale + 1e-5 * float(self.optimizer.max_grad_norm):

@@ -167,11 +167,12 @@ class PrivacyAuditor:
         self.run_checks = RunChecks.of(self, mechanism.params, module, other_optimizers, training_loss, seed)
         self.per_sample_check = PerSampleCheck(
             optimizer, mechanism.params, self.layer_names, self.kind.module_ref, lambda: self.pipeline.steps,
-            every=per_sample_check_every if path_class.checks_per_sample else 0, examples=per_sample_check_examples,
+            every=per_sample_check_every, examples=per_sample_check_examples,
             budget=per_sample_check_budget, seed=seed,
             ghost=is_ghost(optimizer), note_problem=lambda *a: self.pipeline.note_problem(*a),
-            ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer),
-            off_reason=None if path_class.checks_per_sample else "not yet under FSDP",
+            ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer,
+                                      gather=self.path.gather_pool, summed=self.path.summed_grads),
+            sharded=dist.is_sharded(optimizer),
             on_accumulate=self.run_checks.accumulated, further=(self.run_checks.coupling.replay,),
             passes_on=lambda error: error is self.pipeline._passed,
         )

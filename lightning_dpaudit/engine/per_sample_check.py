@@ -24,6 +24,9 @@ gradient norm; in mixed precision 4 and 1 unit roundoffs of the lowest precision
 (the replay runs under the forward's own autocast).
 The replay restores the RNG state and the module's buffers: training is unchanged.
 Cost: a due step is checked only within `budget` of the run's wall time (check_budget.py).
+Under FSDP (`sharded`) every rank checks its own examples at every due step (the ranks gather
+the model's tensors together, so no rank may skip one), replaying the model from its gathered
+tensors (sharded_replay.py); there the norms are those Opacus keeps on each module.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .forward_replay import (
     smallest_module_holding, samples_set_aside,
 )
 from .instance_patch import InstancePatch
+from .sharded_replay import ShardedReplay
 
 RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
 ATOL = 1e-4  # relative to the example's whole gradient norm (one unit roundoff, if larger)
@@ -86,17 +90,20 @@ class PerSampleCheck:
 
     def __init__(self, optimizer, params, names, module: Callable, steps: Callable[[], int], *, every: int,
                  examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None,
-                 off_reason: Optional[str] = None, budget: float = DEFAULT_BUDGET,
+                 budget: float = DEFAULT_BUDGET,
                  on_accumulate: Optional[Callable[[], None]] = None, further: tuple = (),
-                 passes_on: Callable[[BaseException], bool] = lambda error: False):
+                 passes_on: Callable[[BaseException], bool] = lambda error: False, sharded: bool = False):
         self.optimizer, self.params, self.names = optimizer, list(params), names
         self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
         self.on_accumulate = on_accumulate  # told of every physical batch the optimizer accumulates (run_checks)
         self.further = tuple(further)  # further replays at a checked step: step -> whether they found the examples coupled
         self.passes_on = passes_on  # what the alarm raised through note_problem (the user's on_violation): not the check's
         self.module, self.steps, self.note_problem = module, steps, note_problem
-        self.every, self.examples, self.ghost, self.off_reason = every, examples, ghost, off_reason
-        self.budget = CheckBudget(budget)  # the ledger's additions, the replay and the comparison count against it
+        self.every, self.examples, self.ghost = every, examples, ghost
+        # the ledger's additions, the replay and the comparison count against it; under FSDP the ranks check together
+        self.budget = CheckBudget(1.0 if sharded else budget)
+        self.sharded = sharded
+        self.replica: Optional[ShardedReplay] = None  # under FSDP: the model run from its gathered tensors
         self.decided = (-1, False)  # (step, whether it is checked): decided once, at its first question
         self.rng = np.random.default_rng(None if seed is None else [seed, 27])
         self.target: Optional[torch.nn.Module] = None
@@ -115,7 +122,7 @@ class PerSampleCheck:
     def status(self, steps: int) -> str:
         """One line for the result: what was compared, or why nothing was."""
         if self.every == 0:
-            return "off" if self.off_reason is None else f"off ({self.off_reason})"
+            return "off"
         if self.failed is not None:
             return f"stopped: {self.failed}; compared before that: {self.checked} step(s)"
         if self.checked == 0:
@@ -123,8 +130,10 @@ class PerSampleCheck:
             return f"nothing compared yet ({why})"
         skipped = (f"; {self.budget.skipped} due step(s) skipped to keep the checks within {self.budget.share:.1%} of "
                    "the run's time" if self.budget.skipped else "")
+        ranks = "; under FSDP each rank its own examples, from the gathered tensors" if self.sharded else ""
         return (f"{self.checked} step(s) compared, every {self.every} from step 1: per-sample gradients of "
-                f"{self.examples} real example(s) against plain autograd, and the clipped sum of each batch{skipped}")
+                f"{self.examples} real example(s) against plain autograd, and the clipped sum of each batch{skipped}"
+                f"{ranks}")
 
     # ------------------------------------------------------------------ capture
 
@@ -161,6 +170,8 @@ class PerSampleCheck:
         if gsm is None or self.target is not None or self.every == 0:
             return
         self.target = smallest_module_holding(getattr(gsm, "_module", gsm), self.params)
+        if self.sharded:
+            self.replica = ShardedReplay(getattr(gsm, "_module", gsm))
         self.handles = [
             self.target.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             self.target.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -201,8 +212,12 @@ class PerSampleCheck:
             with self.budget.timed():
                 calls = [c for c in self.calls if c.grads]
                 self.calls = []
-                if calls and not self._replay_further(step):
-                    self._compare(calls, step)
+                try:
+                    if self._gathered() and calls and not self._replay_further(step):
+                        self._compare(calls, step)
+                finally:
+                    if self.replica is not None:
+                        self.replica.release()
                 problem = None if self.ledger is None else self.ledger.problem(self.eps)
             self.budget.step_checked()
             if problem is not None:
@@ -211,6 +226,16 @@ class PerSampleCheck:
             if self.passes_on(error):
                 raise
             self._stop(error, step)
+
+    def _gathered(self) -> bool:
+        """Under FSDP, every rank gathers the model's tensors here, at every due step; False if replays decline."""
+        if self.replica is None:
+            return True
+        if self.replica.declined is not None:
+            self.skipped = self.replica.declined
+            return False
+        self.replica.gather()
+        return True
 
     def _stop(self, error: Exception, step: int) -> None:
         first_line = (str(error).splitlines() or [""])[0][:200]  # one line: some errors print whole tensors
@@ -255,9 +280,10 @@ class PerSampleCheck:
     def _held(self, batch: int, stacked: int):
         """What Opacus holds per tensor for the last batch: (kind, rows) with rows[i] example i's entry, or None."""
         held = []
+        on_modules = self._module_norms() if self.sharded else {}
         for p in self.params:
             if self.ghost:
-                norms = getattr(p, "_norm_sample", None)
+                norms = on_modules.get(id(p)) if self.sharded else getattr(p, "_norm_sample", None)
                 if norms is not None and norms.shape[0] != batch:
                     self.skipped = f"the per-sample norms hold {norms.shape[0]} rows, the last batch {batch}"
                     return None
@@ -273,6 +299,17 @@ class PerSampleCheck:
                 samples = samples[samples.shape[0] - batch:]
             held.append(samples)
         return held
+
+    def _module_norms(self) -> dict:
+        """id(tensor) -> its per-sample norms, where Opacus's FSDP module keeps them: on each submodule, in the order
+        of that module's trainable tensors."""
+        from opacus.utils.module_utils import trainable_parameters
+
+        gsm, out = self.module(), {}
+        for holder in gsm.iterate_submodules(gsm._module):
+            for (_, p), norms in zip(trainable_parameters(holder), getattr(holder, "norm_sample", None) or []):
+                out[id(p)] = norms.reshape(-1)
+        return out
 
     def _tensor_problems(self, held, i: int, grads, total: float, rtol: float) -> Optional[str]:
         atol = max(ATOL, self.eps) * total + 1e-12
@@ -328,7 +365,7 @@ class PerSampleCheck:
             # Opacus's switched-off backward hooks still fire here, and torch may warn about them as it did in
             # training, once per location; no warnings.catch_warnings: leaving one would show every once-per-location
             # warning of the user's run again
-            with samples_set_aside(self.params):
+            with samples_set_aside(self.params), (self.replica.plain() if self.replica else contextlib.nullcontext()):
                 yield
         finally:
             self.replaying = False
@@ -341,12 +378,13 @@ class PerSampleCheck:
         leaves, index = self._replay(call)
         scale = float(call.batch) if getattr(gsm, "loss_reduction", "mean") == "mean" else 1.0
         wanted = [p for p in self.params if p.requires_grad]
+        differentiated = [p if self.replica is None else self.replica.leaf(p) for p in wanted]
         expected = []
         for position, i in enumerate(index):
             own = own_gradients(leaves, int(i), {j: g[position] for j, g in call.grads.items()})
             inner = sum((leaves[j][int(i)] * g).sum() for j, g in own.items())
             last = position == len(call.chosen) - 1
-            grads = dict(zip(map(id, wanted), torch.autograd.grad(inner, wanted, retain_graph=not last,
+            grads = dict(zip(map(id, wanted), torch.autograd.grad(inner, differentiated, retain_graph=not last,
                                                                     allow_unused=True)))
             expected.append([None if grads.get(id(p)) is None else scale * grads[id(p)] for p in self.params])
         return expected

@@ -27,7 +27,6 @@ from .base import AuditNoise, LocalChecks, PathSettings, no_canaries
 class PerSampleRelease(LocalChecks):
     local = True  # one process: a set-up problem alarms at once
     reads_on_device = True  # readings stay on the device until a check
-    checks_per_sample = True  # the exact per-sample check (per_sample_check.py) runs on this path
 
     def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
         self.optimizer, self.probe, self.settings = optimizer, probe, settings
@@ -42,6 +41,14 @@ class PerSampleRelease(LocalChecks):
 
     def release_plain(self) -> None:
         self.add_noise()
+
+    def gather_pool(self, tensors) -> "torch.Tensor":
+        """Per-parameter tensors' values at the pool coordinates (the clipped-sum ledger reads through it)."""
+        return self.probe.gather(tensors)
+
+    def summed_grads(self) -> list:
+        """The optimizer's accumulated clipped sums, one per tensor (None before the first physical batch)."""
+        return [p.summed_grad for p in self.probe.params]
 
     def release(self, planted: Planted, *, step: int, paired: bool, read, done) -> None:
         params = self.probe.params

@@ -32,7 +32,6 @@ from .per_sample import PerSampleRelease, restore_data_sum
 class ReducedRelease(DistributedChecks, PerSampleRelease):
     local = False  # problems and alarms wait for a check that every rank reaches
     reads_on_device = False  # the per-step all-reduce reads on the host
-    checks_per_sample = True  # each rank checks its own examples; a finding alarms every rank at the next check
 
     def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
         super().__init__(optimizer, probe, settings)

@@ -32,7 +32,6 @@ from .per_sample import PerSampleRelease
 class ShardedRelease(DistributedChecks, PerSampleRelease):
     local = False  # alarms wait for a check every rank reaches
     reads_on_device = False  # the per-step all-reduce reads on the host
-    checks_per_sample = False  # not yet: each rank holds row shards of the tensors
 
     def __init__(self, optimizer, probe: GradientProbe, settings: PathSettings):
         super().__init__(optimizer, probe, settings)
@@ -44,7 +43,7 @@ class ShardedRelease(DistributedChecks, PerSampleRelease):
 
     def release(self, planted: Planted, *, step: int, paired: bool, read, done) -> None:
         opt, probe = self.optimizer, self.probe
-        added = probe.clip(opt, *planted.rows(planted.is_in))
+        added = self.canary_sum(planted, planted.is_in, step)
         f = self._factor()
         owned = self._owned()
         summed = [opt.grad_state[p]["summed_grad"].to_local().view(-1) for p in probe.params]
@@ -65,6 +64,18 @@ class ShardedRelease(DistributedChecks, PerSampleRelease):
         centered = self.collectives.sum(centered)
         read(ReleaseView(None, None, centered, probe.sum_at_pool(added), planted.is_in, own=True))
         done()
+
+    def gather_pool(self, tensors) -> torch.Tensor:
+        """Values at the pool coordinates this rank holds, zeros at the others (float64, pool order)."""
+        out = torch.zeros(len(self.probe.pool), dtype=torch.float64, device=self.probe.pool_local[0].device)
+        for t, (idx, positions) in zip(tensors, self._owned()):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            out[torch.as_tensor(positions, device=out.device)] = local.detach().reshape(-1)[idx].double()
+        return out
+
+    def summed_grads(self) -> list:
+        """FSDP's optimizer keeps its accumulated sums in grad_state, not on the tensors."""
+        return [self.optimizer.grad_state[p]["summed_grad"] for p in self.probe.params]
 
     def _owned(self) -> list:
         """Per tensor: (local flat indices, pool positions) of the pool coordinates this rank holds."""

@@ -29,8 +29,9 @@ CODE = "multiplicity"
 DEPTH = 4  # attributes followed from a part of a ConcatDataset to what it wraps
 
 
-def clipped_rows(params) -> Optional[int]:
-    """The leading size of the per-sample gradients (or ghost clipping's per-sample norms) the optimizer holds now."""
+def clipped_rows(params, gradient_module=lambda: None) -> Optional[int]:
+    """The leading size of the per-sample gradients (or ghost clipping's per-sample norms) the optimizer holds now;
+    FSDP's ghost clipping keeps its norms on the modules of `gradient_module()` (norm_sample, one per tensor)."""
     for p in params:
         held = getattr(p, "grad_sample", None)
         if held is None:
@@ -39,6 +40,11 @@ def clipped_rows(params) -> Optional[int]:
             return sum(h.shape[0] for h in held)
         if torch.is_tensor(held) and held.dim() > 0:
             return int(held.shape[0])
+    gsm = gradient_module()
+    for holder in gsm.iterate_submodules(gsm._module) if hasattr(gsm, "iterate_submodules") else ():
+        norms = getattr(holder, "norm_sample", None)
+        if norms:
+            return int(norms[0].shape[0])
     return None
 
 
@@ -111,7 +117,7 @@ class MultiplicityCheck(RunCheck):
 
     def accumulated(self) -> None:
         """The optimizer is about to clip and accumulate a physical batch."""
-        rows = clipped_rows(self.run.params)
+        rows = clipped_rows(self.run.params, self.run.gradient_module)
         self.rows += rows or 0
 
     def step(self, step: int) -> None:
