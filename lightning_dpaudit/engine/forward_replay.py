@@ -114,6 +114,32 @@ def first_gradient(call: Call, j: int, rows: torch.Tensor):
     return keep
 
 
+def own_gradients(leaves: list, i: int, totals: dict) -> dict:
+    """The gradient the loss sends to each output's row i directly, from the total ones the tensor hooks kept.
+
+    When an output is computed from another (an encoder's state and the logits decoded from it), the total
+    gradient T_a of the inner one already holds what flows back from the outer one, and summing <o_j, T_j> over
+    the outputs would count that twice. The direct parts p satisfy T_a = p_a + sum_k p_k do_k/do_a (total
+    derivatives through the graph), solved from the outputs nothing depends on inwards: one pass per level."""
+    own = dict(totals)
+    for _ in range(len(totals)):
+        changed = False
+        for j in totals:
+            others = [k for k in own if k != j]
+            if not others:
+                break
+            back = torch.autograd.grad([leaves[k][i] for k in others], leaves[j], grad_outputs=[own[k] for k in others],
+                                       retain_graph=True, allow_unused=True)[0]
+            if back is None:
+                continue
+            direct = totals[j] - back[i]
+            changed = changed or not torch.equal(direct, own[j])
+            own[j] = direct
+        if not changed:
+            break
+    return own
+
+
 def smallest_module_holding(module: torch.nn.Module, params) -> torch.nn.Module:
     """The deepest submodule of `module` that holds every module using a tensor of `params` as its own.
 

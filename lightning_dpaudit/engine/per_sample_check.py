@@ -40,11 +40,11 @@ import torch
 
 from .check_budget import CheckBudget
 from .forward_replay import (
-    EPS32, Call, buffer_values, captured, keep_output, precision, replay_forward, same_rows, set_buffers, sliced,
-    smallest_module_holding, samples_set_aside,
+    EPS32, Call, buffer_values, captured, keep_output, own_gradients, precision, replay_forward, same_rows,
+    set_buffers, sliced, smallest_module_holding, samples_set_aside,
 )
 from .instance_patch import InstancePatch
-from .sharded_replay import ShardedReplay
+from .sharded_replay import ShardedReplay, module_norms
 
 RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
 ATOL = 1e-4  # relative to the example's whole gradient norm (one unit roundoff, if larger)
@@ -52,32 +52,6 @@ DEFAULT_EVERY = 100
 DEFAULT_EXAMPLES = 2
 DEFAULT_BUDGET = 0.015  # of the run's wall time; the data path's target is 2%
 CODE = "per_sample_gradients"
-
-
-def own_gradients(leaves: list, i: int, totals: dict) -> dict:
-    """The gradient the loss sends to each output's row i directly, from the total ones the tensor hooks kept.
-
-    When an output is computed from another (an encoder's state and the logits decoded from it), the total
-    gradient T_a of the inner one already holds what flows back from the outer one, and summing <o_j, T_j> over
-    the outputs would count that twice. The direct parts p satisfy T_a = p_a + sum_k p_k do_k/do_a (total
-    derivatives through the graph), solved from the outputs nothing depends on inwards: one pass per level."""
-    own = dict(totals)
-    for _ in range(len(totals)):
-        changed = False
-        for j in totals:
-            others = [k for k in own if k != j]
-            if not others:
-                break
-            back = torch.autograd.grad([leaves[k][i] for k in others], leaves[j], grad_outputs=[own[k] for k in others],
-                                       retain_graph=True, allow_unused=True)[0]
-            if back is None:
-                continue
-            direct = totals[j] - back[i]
-            changed = changed or not torch.equal(direct, own[j])
-            own[j] = direct
-        if not changed:
-            break
-    return own
 
 
 class PerSampleCheck:
@@ -280,7 +254,7 @@ class PerSampleCheck:
     def _held(self, batch: int, stacked: int):
         """What Opacus holds per tensor for the last batch: (kind, rows) with rows[i] example i's entry, or None."""
         held = []
-        on_modules = self._module_norms() if self.sharded else {}
+        on_modules = module_norms(self.module()) if self.sharded else {}
         for p in self.params:
             if self.ghost:
                 norms = on_modules.get(id(p)) if self.sharded else getattr(p, "_norm_sample", None)
@@ -299,17 +273,6 @@ class PerSampleCheck:
                 samples = samples[samples.shape[0] - batch:]
             held.append(samples)
         return held
-
-    def _module_norms(self) -> dict:
-        """id(tensor) -> its per-sample norms, where Opacus's FSDP module keeps them: on each submodule, in the order
-        of that module's trainable tensors."""
-        from opacus.utils.module_utils import trainable_parameters
-
-        gsm, out = self.module(), {}
-        for holder in gsm.iterate_submodules(gsm._module):
-            for (_, p), norms in zip(trainable_parameters(holder), getattr(holder, "norm_sample", None) or []):
-                out[id(p)] = norms.reshape(-1)
-        return out
 
     def _tensor_problems(self, held, i: int, grads, total: float, rtol: float) -> Optional[str]:
         atol = max(ATOL, self.eps) * total + 1e-12

@@ -34,6 +34,18 @@ def _is_fsdp_hook(hook, states) -> bool:
     return any(owner is s for s in states)
 
 
+def module_norms(gsm) -> dict:
+    """id(tensor) -> its per-sample norms, where Opacus's FSDP module keeps them: on each submodule (norm_sample),
+    in the order of that module's trainable tensors."""
+    from opacus.utils.module_utils import trainable_parameters
+
+    out = {}
+    for holder in gsm.iterate_submodules(gsm._module):
+        for (_, p), norms in zip(trainable_parameters(holder), getattr(holder, "norm_sample", None) or []):
+            out[id(p)] = norms.reshape(-1)
+    return out
+
+
 class ShardedReplay:
     """Gathers the model's sharded tensors at a checked step and runs replays on them, FSDP's hooks aside."""
 

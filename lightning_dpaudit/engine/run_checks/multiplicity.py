@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..sharded_replay import module_norms
 from .base import DOES_NOT_DESCRIBE, RunCheck
 from .dataset_copies import mirrored_finding, scan
 
@@ -41,11 +42,8 @@ def clipped_rows(params, gradient_module=lambda: None) -> Optional[int]:
         if torch.is_tensor(held) and held.dim() > 0:
             return int(held.shape[0])
     gsm = gradient_module()
-    for holder in gsm.iterate_submodules(gsm._module) if hasattr(gsm, "iterate_submodules") else ():
-        norms = getattr(holder, "norm_sample", None)
-        if norms:
-            return int(norms[0].shape[0])
-    return None
+    on_modules = list(module_norms(gsm).values()) if hasattr(gsm, "iterate_submodules") else []
+    return int(on_modules[0].shape[0]) if on_modules else None
 
 
 def sources(obj, depth: int = DEPTH) -> set:
