@@ -158,6 +158,32 @@ def pipeline(rank, world, options):
     return found
 
 
+def check_fault(rank, world, options):
+    """Rank 0's exact check fails at its first compared step (a fault of the check's own code): training goes on
+    on both ranks (rank 0 still gathers with rank 1 at the later checked steps), and the models equal plain ones."""
+    import torch
+
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.engine import per_sample_check
+
+    audited, plain = _private(rank, world, "fsdp"), _private(rank, world, "fsdp")
+    auditor = PrivacyAuditor(audited[1], seed=3, module=audited[0], per_sample_check_every=2)
+    if rank == 0:
+        def broken(self, calls, step):
+            raise RuntimeError("a fault of the check's own code")
+        per_sample_check.PerSampleCheck._compare = broken
+    batches = list(audited[3])
+    for step in range(9):
+        x, y = batches[step % len(batches)]
+        for module, optimizer, criterion, _ in (audited, plain):
+            criterion(module(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    result = auditor.result(accounting=False)
+    return {"data_path": result.data_path, "steps": result.steps, "findings": [f.code for f in result.findings],
+            "gap": float(torch.max(torch.abs(_local(audited[0]) - _local(plain[0]))))}
+
+
 def _stop(result):
     raise _Stop
 

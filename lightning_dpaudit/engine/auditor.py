@@ -213,8 +213,10 @@ class PrivacyAuditor:
                 bound = self.optimizer.max_grad_norm  # named now, not taken for a divergence of the values it gives
                 raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {bound!r}; clipping needs a "
                                  "finite bound > 0")
-            if pipeline.diverged is None and not pipeline.failed and self.per_sample_check.due(pipeline.steps):
-                pipeline.diverged_by_now()
+            check = self.per_sample_check
+            if pipeline.diverged is None and not pipeline.failed and (check.due(pipeline.steps) or
+                                                                       check.meets_the_others(pipeline.steps)):
+                pipeline.diverged_by_now(agreed=True)  # under FSDP every rank at the cadence's steps
             if pipeline.diverged is not None:
                 self.per_sample_check.close()
                 audited_step()  # the plain step

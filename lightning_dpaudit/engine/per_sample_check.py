@@ -181,6 +181,8 @@ class PerSampleCheck:
         """At a noised step: compare if due, never raising into training (a failure turns the check off)."""
         try:
             self._hook_target()
+            if self.failed is not None and self.replica is not None:
+                self._gather_with_the_others(step)
             if not self.due(step):
                 return
             with self.budget.timed():
@@ -210,6 +212,17 @@ class PerSampleCheck:
             return False
         self.replica.gather()
         return True
+
+    def meets_the_others(self, step: int) -> bool:
+        """Under FSDP, the ranks meet at the cadence's steps (they gather there), whether or not this rank's check
+        still runs: a rank missing a meeting would hang the others."""
+        return self.sharded and self.every > 0 and step % self.every == 1 % self.every
+
+    def _gather_with_the_others(self, step: int) -> None:
+        """A rank whose check stopped still gathers where the others do."""
+        if self.meets_the_others(step) and self.replica.declined is None:
+            self.replica.gather()
+            self.replica.release()
 
     def _stop(self, error: Exception, step: int) -> None:
         first_line = (str(error).splitlines() or [""])[0][:200]  # one line: some errors print whole tensors

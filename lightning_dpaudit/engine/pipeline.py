@@ -181,12 +181,16 @@ class StepPipeline:
             self.diverged = step
             self.record.note_problem(divergence.CODE, divergence.message(step), step, alarm=False)
 
-    def diverged_by_now(self) -> bool:
+    def diverged_by_now(self, agreed: bool = False) -> bool:
         """Whether training diverged by now: the pending readings first, then the parameters, gradients and clipped
-        sums as they are (one host sync)."""
+        sums as they are (one host sync). `agreed`: where every rank calls it at the same step (the exact checks'),
+        the ranks agree (under FSDP each holds other shards)."""
         if self.diverged is None:
             self.record_pending()
-        if self.diverged is None and not divergence.training_finite(self.kind.probe.params):
+        finite = self.diverged is not None or divergence.training_finite(self.kind.probe.params)
+        if agreed:
+            finite = self.path.all_finite(finite)
+        if self.diverged is None and not finite:
             self.diverge(self.steps + 1)
         return self.diverged is not None
 

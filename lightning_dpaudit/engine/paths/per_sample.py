@@ -46,6 +46,11 @@ class PerSampleRelease(LocalChecks):
         """Per-parameter tensors' values at the pool coordinates (the clipped-sum ledger reads through it)."""
         return self.probe.gather(tensors)
 
+    @staticmethod
+    def all_finite(finite: bool) -> bool:
+        """Whether every process found its tensors finite (here: this one)."""
+        return finite
+
     def summed_grads(self) -> list:
         """The optimizer's accumulated clipped sums, one per tensor (None before the first physical batch)."""
         return [p.summed_grad for p in self.probe.params]

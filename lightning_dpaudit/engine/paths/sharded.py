@@ -73,6 +73,10 @@ class ShardedRelease(DistributedChecks, PerSampleRelease):
             out[torch.as_tensor(positions, device=out.device)] = local.detach().reshape(-1)[idx].double()
         return out
 
+    def all_finite(self, finite: bool) -> bool:
+        """Every rank holds other shards; the ranks agree, since they gather together at the exact checks' steps."""
+        return not self.collectives.any(not finite)
+
     def summed_grads(self) -> list:
         """FSDP's optimizer keeps its accumulated sums in grad_state, not on the tensors."""
         return [self.optimizer.grad_state[p]["summed_grad"] for p in self.probe.params]
