@@ -70,7 +70,7 @@ def _outcome(seed, result, naive=None) -> dict:
     return {"seed": seed, "violation": bool(result.violation), "naive": naive,
             "exact": exact + ([] if result.audit_failed is None else ["audit_failed"]),
             "pipeline": [(f.code, f.message, f.first_step) for f in result.findings if f.code in PIPELINE_CODES],
-            "status": result.pipeline}
+            "status": result.pipeline, "data_path": result.data_path}
 
 
 def _naive_alarm(obs: dict, claimed: float) -> bool:
@@ -256,7 +256,7 @@ def _ddp(args, runs, start):
             if outcome["audit_failed"] or other["audit_failed"]:
                 failed.append(seed)
             if status is None:
-                status = (seed, outcome["pipeline"])
+                status = (seed, outcome["pipeline"], outcome.get("data_path", ""))
         print(f"  {done + len(seeds)}/{args.runs} runs, {alarms} alarms, {len(exact)} with exact findings, "
               f"{len(pipeline)} with pipeline findings, {len(failed)} audits failed", flush=True)
     print(f"mode={args.mode} runs={args.runs} (from run {args.first_run}) steps={args.steps} sigma={args.sigma} "
@@ -273,6 +273,7 @@ def _print_pipeline(found: list, runs: int, status) -> None:
           f"{[(seed, sorted({code for code, _, _ in f})) for seed, f in found] or ''}{_pipeline_lines(found)}")
     if status is not None:
         print(f"run checks of run {status[0]} (rank 0 where several): {status[1]}")
+        print(f"exact checks of run {status[0]}: {status[2]}")
 
 
 def main():
@@ -309,7 +310,7 @@ def main():
     print(f"exact data-path findings (per-sample gradients, clipped sum, accounting, canary clipping, divergence, Opacus errors): {len(exact)}/{args.runs} runs "
           f"{exact or ''}")
     _print_pipeline([(o["seed"], o["pipeline"]) for o in outcomes if o["pipeline"]], args.runs,
-                    (outcomes[0]["seed"], outcomes[0]["status"]) if outcomes else None)
+                    (outcomes[0]["seed"], outcomes[0]["status"], outcomes[0]["data_path"]) if outcomes else None)
     if naive:
         print(f"naive repeated CP checks: {sum(naive)}/{len(naive)} = {sum(naive) / len(naive):.1%} false alarms")
 

@@ -273,7 +273,8 @@ def run_outcome(auditor) -> dict:
     auditor.detach()
     return {"violation": bool(result.violation), "codes": sorted({f.code for f in result.findings}),
             "pipeline_findings": [[f.code, f.message, f.first_step] for f in result.findings if f.code in PIPELINE_CODES],
-            "pipeline": result.pipeline, "audit_failed": result.audit_failed, "steps": result.steps}
+            "pipeline": result.pipeline, "data_path": result.data_path, "audit_failed": result.audit_failed,
+            "steps": result.steps}
 
 
 def plain_optimizer(rank, world, options):
