@@ -41,7 +41,8 @@ def distributed(mode, names, steps):
     from ddp_scenarios import launch
 
     with tempfile.TemporaryDirectory() as out:
-        ranks = launch("bugs", Path(out), script="sharded_scenarios.py", timeout=1800, mode=mode, names=names, steps=steps)
+        ranks = launch("bugs", Path(out), script="sharded_scenarios.py", timeout=1800, mode=mode, names=names, steps=steps,
+                   checks="default")  # the auditor at its defaults, as the single-process column
     return {name: (ranks[0][name]["first_violation_step"], ranks[0][name]["findings"]) for name in names}
 
 

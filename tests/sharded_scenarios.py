@@ -74,17 +74,19 @@ def bugs(rank, world, options):
     from ghost_setups import train_ghost
     from lightning_dpaudit import PrivacyAuditor
     from lightning_dpaudit.bugs import inject_bug
+    from lightning_dpaudit.engine.per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY
 
     found = {}
     for name in options["names"]:
         module, optimizer, criterion, loader = _private(rank, world, options["mode"])
         if name != "correct":
             inject_bug(optimizer, name, module=module)
-        # the canaries' reading alone (stopped at the first alarm), or with the exact checks at every step
-        # (options["exact"]; the whole run, so that every check has its say)
-        auditor = PrivacyAuditor(optimizer, seed=3, on_violation=(lambda result: None) if options.get("exact") else _stop,
-                                 per_sample_check_every=1 if options.get("exact") else 0,
-                                 per_sample_check_budget=1.0)  # every due step checked
+        # options["checks"]: "off" the canaries' reading alone, "default" the auditor's defaults (both stopped at the
+        # first alarm), "every" the exact checks at every step, the whole run (every check has its say)
+        checks = options.get("checks", "off")
+        every = {"off": 0, "default": DEFAULT_EVERY, "every": 1}[checks]
+        auditor = PrivacyAuditor(optimizer, seed=3, on_violation=(lambda result: None) if checks == "every" else _stop,
+                                 per_sample_check_every=every, per_sample_check_budget=1.0 if every == 1 else DEFAULT_BUDGET)
         try:
             train_ghost(module, optimizer, criterion, loader, int(options.get("steps", 60)))
         except _Stop:
@@ -184,6 +186,22 @@ def check_fault(rank, world, options):
             "gap": float(torch.max(torch.abs(_local(audited[0]) - _local(plain[0]))))}
 
 
+def short_of_memory(rank, world, options):
+    """Rank 0 alone finds the gathered model too large for its memory: every rank declines the check's step."""
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.engine import sharded_replay
+
+    module, optimizer, criterion, loader = _private(rank, world, "fsdp")
+    if rank == 0:
+        sharded_replay.over_memory = lambda need, device: True
+    auditor = PrivacyAuditor(optimizer, seed=3, module=module, per_sample_check_every=2)
+    from ghost_setups import train_ghost
+
+    train_ghost(module, optimizer, criterion, loader, 6)
+    result = auditor.result(accounting=False)
+    return {"data_path": result.data_path, "findings": [f.code for f in result.findings], "steps": result.steps}
+
+
 def _stop(result):
     raise _Stop
 
@@ -191,7 +209,7 @@ def _stop(result):
 def both(rank, world, options):
     """`correct`, `bugs` and the exact checks' bugs in one job (one start-up of the process group)."""
     return {"correct": correct(rank, world, options), "bugs": bugs(rank, world, options),
-            "exact": bugs(rank, world, {**options, "names": options["exact_names"], "exact": True})}
+            "exact": bugs(rank, world, {**options, "names": options["exact_names"], "checks": "every"})}
 
 
 if __name__ == "__main__":

@@ -89,3 +89,11 @@ def test_fsdp_a_rank_whose_exact_check_stopped_still_gathers_with_the_others(tmp
     assert second["data_path"].startswith("4 step(s) compared"), second["data_path"]  # steps 1, 3, 5, 7
     for rank in (first, second):
         assert rank["steps"] == 9 and rank["findings"] == [] and rank["gap"] <= 1e-6
+
+
+def test_fsdp_ranks_agree_to_skip_a_check_when_one_is_short_of_memory(tmp_path):
+    """The gathered model must fit on every rank; one rank short of memory makes every rank decline, together."""
+    ranks = launch("short_of_memory", tmp_path, script="sharded_scenarios.py", timeout=240)
+    for rank in ranks:
+        assert rank["steps"] == 6 and rank["findings"] == []
+        assert rank["data_path"].startswith("nothing compared yet (the gathered model"), rank["data_path"]

@@ -210,7 +210,9 @@ class PerSampleCheck:
         if self.replica.declined is not None:
             self.skipped = self.replica.declined
             return False
-        self.replica.gather()
+        if not self.replica.gather():
+            self.skipped = self.replica.short_of_memory
+            return False
         return True
 
     def meets_the_others(self, step: int) -> bool:

@@ -11,7 +11,9 @@ of the shards, as leaves of their own:
     replay(x) = f(x; W)   with W the full tensors, what FSDP gathers for the training step
 
 Under a mixed-precision policy FSDP computes from tensors cast to a lower precision, which
-this replay does not; there it declines and says so.
+this replay does not; there it declines and says so. It declines a step too where the
+gathered model would take more than half of a GPU's free memory on some rank (the ranks
+agree on it in one small all-reduce).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import contextlib
 from typing import Optional
 
 import torch
+
+MEMORY_SHARE = 0.5  # of a GPU's free memory the gathered tensors may take
+
+
+def over_memory(need: int, device: torch.device) -> bool:
+    """`need` bytes would take more than MEMORY_SHARE of the device's free memory (a GPU's; no bound elsewhere)."""
+    return device.type == "cuda" and need > MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]
 
 
 def fsdp_states(root: torch.nn.Module) -> list:
@@ -53,6 +62,7 @@ class ShardedReplay:
         self.root = root
         self.states = fsdp_states(root)
         self.full: Optional[dict] = None  # id(registered tensor) -> its gathered leaf, for the step being checked
+        self.short_of_memory: Optional[str] = None  # why the last checked step gathered nothing
 
     @property
     def declined(self) -> Optional[str]:
@@ -65,14 +75,25 @@ class ShardedReplay:
                         "from the gathered tensors does not reproduce")
         return None
 
-    def gather(self) -> None:
-        """Every rank, at every checked step, before anything that can differ between ranks: the full tensors."""
+    def gather(self) -> bool:
+        """Every rank, at every checked step, before anything that can differ between ranks: the full tensors;
+        False (on every rank, agreed) where they would take more than half of a GPU's free memory on some rank."""
         from torch.distributed.tensor import DTensor
 
+        params = list(self.root.parameters())
+        need = sum(p.numel() * p.element_size() for p in params)
+        device = params[0].device if params else torch.device("cpu")
+        short = torch.tensor([1.0 if over_memory(need, device) else 0.0], device=device)
+        torch.distributed.all_reduce(short, op=torch.distributed.ReduceOp.MAX)
+        if float(short) > 0:
+            self.short_of_memory = (f"the gathered model ({need / 2**30:.2f} GiB) would take more than "
+                                    f"{MEMORY_SHARE:.0%} of a GPU's free memory on some rank")
+            return False
         self.full = {}
-        for p in self.root.parameters():
+        for p in params:
             whole = p.full_tensor() if isinstance(p, DTensor) else p
             self.full[id(p)] = whole.detach().clone().requires_grad_(p.requires_grad)
+        return True
 
     def leaf(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor a replay differentiates for the registered (sharded) tensor p."""
