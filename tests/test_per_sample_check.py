@@ -5,6 +5,9 @@ have no false-failure rate beyond float rounding (tolerance 1e-3 relative)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -364,3 +367,31 @@ def test_the_check_does_not_show_the_users_once_per_location_warnings_again():
             optimizer.step()
     assert auditor.per_sample_check.checked == 2
     assert sum("of the user's own" in str(w.message) for w in caught) == 1
+
+
+USERS_LOOP = """
+import torch
+from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit.integrations.digits import make_private_digits
+model, optimizer, loader, _ = make_private_digits(seed=0)
+auditor = PrivacyAuditor(optimizer, seed=1, per_sample_check_every=1, per_sample_check_budget=1.0)
+for step, (images, labels) in zip(range(4), loader):
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+print("checked", auditor.per_sample_check.checked)
+"""
+
+
+def test_torch_s_warning_about_opacus_hooks_is_not_shown_from_the_check_s_own_lines(tmp_path):
+    """Opacus's switched-off full backward hooks make torch warn in the check's replay, at the package's own line:
+    not shown (the user's own backward pass shows it at the user's line, as without the audit)."""
+    script = tmp_path / "users_loop.py"
+    script.write_text(USERS_LOOP)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "checked 3" in done.stdout  # steps 2 to 4 (the check's hooks come with the first step)
+    shown = [line for line in done.stderr.splitlines() if "Warning:" in line]
+    assert any("users_loop.py" in line and "Full backward hook" in line for line in shown), shown
+    assert not [line for line in shown if "lightning_dpaudit" in line], shown

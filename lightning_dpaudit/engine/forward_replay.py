@@ -12,11 +12,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import contextlib
+import warnings
 
 import numpy as np
 import torch
 
 EPS32 = float(torch.finfo(torch.float32).eps)
+
+# A replay's backward pass runs through Opacus's switched-off full backward hooks, and torch warns about them once
+# per location, at the replay's own line: a warning about the audit's internals, not the user's run. Ignored where it
+# is attributed to this package only (a filter set once, at import: warnings.catch_warnings around each replay would
+# reset the once-per-location registry and show the user's own warnings again).
+IGNORED_HERE = dict(message="Full backward hook is firing", category=UserWarning, module=r"lightning_dpaudit\.")
+warnings.filterwarnings("ignore", **IGNORED_HERE)
 
 
 @dataclass

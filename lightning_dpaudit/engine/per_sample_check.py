@@ -340,9 +340,8 @@ class PerSampleCheck:
         try:
             if was_enabled:
                 gsm.disable_hooks()
-            # Opacus's switched-off backward hooks still fire here, and torch may warn about them as it did in
-            # training, once per location; no warnings.catch_warnings: leaving one would show every once-per-location
-            # warning of the user's run again
+            # Opacus's switched-off backward hooks still fire here; torch's warning about them at this package's
+            # lines is filtered once, at import (forward_replay.py)
             with samples_set_aside(self.params), (self.replica.plain() if self.replica else contextlib.nullcontext()):
                 yield
         finally:
