@@ -189,7 +189,9 @@ class PerSampleCheck:
                 calls = [c for c in self.calls if c.grads]
                 self.calls = []
                 try:
-                    if self._gathered() and calls and not self._replay_further(step):
+                    why_not = None if self.replica is None else self.replica.gather()  # every rank, under FSDP
+                    self.skipped = why_not or self.skipped
+                    if why_not is None and calls and not self._replay_further(step):
                         self._compare(calls, step)
                 finally:
                     if self.replica is not None:
@@ -203,18 +205,6 @@ class PerSampleCheck:
                 raise
             self._stop(error, step)
 
-    def _gathered(self) -> bool:
-        """Under FSDP, every rank gathers the model's tensors here, at every due step; False if replays decline."""
-        if self.replica is None:
-            return True
-        if self.replica.declined is not None:
-            self.skipped = self.replica.declined
-            return False
-        if not self.replica.gather():
-            self.skipped = self.replica.short_of_memory
-            return False
-        return True
-
     def meets_the_others(self, step: int) -> bool:
         """Under FSDP, the ranks meet at the cadence's steps (they gather there), whether or not this rank's check
         still runs: a rank missing a meeting would hang the others."""
@@ -222,7 +212,7 @@ class PerSampleCheck:
 
     def _gather_with_the_others(self, step: int) -> None:
         """A rank whose check stopped still gathers where the others do."""
-        if self.meets_the_others(step) and self.replica.declined is None:
+        if self.meets_the_others(step):
             self.replica.gather()
             self.replica.release()
 
@@ -249,9 +239,9 @@ class PerSampleCheck:
         for position, i in enumerate(call.chosen):
             grads = expected[position]
             total = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
-            problem = self._tensor_problems(held, int(i), grads, total, rtol)
+            problem = tensor_problem(self.names, held, int(i), grads, total, rtol, self.eps, self.ghost)
             if problem is None and self.ghost:
-                problem = self._coefficient_problem(gsm, int(i), total, C, rtol)
+                problem = coefficient_problem(gsm, int(i), total, C, rtol)
             if problem is not None:
                 self.note_problem(CODE, f"{problem} at step {step} (example {int(i)} of the batch)", step)
                 return
@@ -288,42 +278,6 @@ class PerSampleCheck:
                 samples = samples[samples.shape[0] - batch:]
             held.append(samples)
         return held
-
-    def _tensor_problems(self, held, i: int, grads, total: float, rtol: float) -> Optional[str]:
-        atol = max(ATOL, self.eps) * total + 1e-12
-        for name, p, opacus, exact in zip(self.names, self.params, held, grads):
-            exact_norm = 0.0 if exact is None else float(exact.double().norm())
-            if opacus is None:
-                if exact_norm > atol:
-                    return (f"`{name}` reaches the optimizer with a gradient (norm {exact_norm:.4g} for this example) "
-                            "but without a per-sample gradient: its contribution is never clipped")
-                continue
-            if self.ghost:
-                opacus_norm = float(opacus[i])
-                gap = abs(opacus_norm - exact_norm)
-                what = "per-sample gradient norm (ghost clipping)"
-            else:
-                row = opacus[i].double()
-                opacus_norm = float(row.norm())
-                gap = float((row - (0 if exact is None else exact.double().reshape(row.shape))).norm())
-                what = "per-sample gradient"
-            if gap > rtol * max(opacus_norm, exact_norm) + atol:
-                return (f"Opacus's {what} of `{name}` has norm {opacus_norm:.6g}, plain autograd on the example "
-                        f"alone gives {exact_norm:.6g} (difference {gap:.3g})")
-        return None
-
-    def _coefficient_problem(self, gsm, i: int, total: float, C: float, rtol: float) -> Optional[str]:
-        saved = gsm._per_sample_gradient_norms
-        try:
-            coef = float(gsm.get_clipping_coef()[i])
-        finally:
-            gsm._per_sample_gradient_norms = saved
-        exact = min(1.0, C / (total + 1e-6))
-        if abs(coef - exact) > rtol * max(coef, exact) + 1e-6:
-            leaks = "leaks: the contribution can exceed C" if coef > exact else "clips harder than claimed"
-            return (f"the module's clipping coefficient is {coef:.6g} where min(1, C / norm) with the optimizer's "
-                    f"C = {C:g} and the example's gradient norm {total:.6g} gives {exact:.6g} ({leaks})")
-        return None
 
     def _autograd(self, call: Call) -> list:
         """expected[position][tensor]: s * d<out_i, g_i>/dp by plain autograd (Opacus's hooks off, inputs and RNG replayed)."""
@@ -393,3 +347,43 @@ class PerSampleCheck:
         if self._wrapped is not None:
             self._wrapped.restore()
             self._wrapped = None
+
+
+def tensor_problem(names, held, i: int, grads, total: float, rtol: float, eps: float, ghost: bool) -> Optional[str]:
+    """The first tensor whose per-sample gradient (ghost: norm) of example i is not autograd's, as a sentence."""
+    atol = max(ATOL, eps) * total + 1e-12
+    for name, opacus, exact in zip(names, held, grads):
+        exact_norm = 0.0 if exact is None else float(exact.double().norm())
+        if opacus is None:
+            if exact_norm > atol:
+                return (f"`{name}` reaches the optimizer with a gradient (norm {exact_norm:.4g} for this example) "
+                        "but without a per-sample gradient: its contribution is never clipped")
+            continue
+        if ghost:
+            opacus_norm = float(opacus[i])
+            gap = abs(opacus_norm - exact_norm)
+            what = "per-sample gradient norm (ghost clipping)"
+        else:
+            row = opacus[i].double()
+            opacus_norm = float(row.norm())
+            gap = float((row - (0 if exact is None else exact.double().reshape(row.shape))).norm())
+            what = "per-sample gradient"
+        if gap > rtol * max(opacus_norm, exact_norm) + atol:
+            return (f"Opacus's {what} of `{name}` has norm {opacus_norm:.6g}, plain autograd on the example "
+                    f"alone gives {exact_norm:.6g} (difference {gap:.3g})")
+    return None
+
+
+def coefficient_problem(gsm, i: int, total: float, C: float, rtol: float) -> Optional[str]:
+    """Ghost clipping: the module's coefficient for example i against min(1, C / (norm + 1e-6)), as a sentence."""
+    saved = gsm._per_sample_gradient_norms
+    try:
+        coef = float(gsm.get_clipping_coef()[i])
+    finally:
+        gsm._per_sample_gradient_norms = saved
+    exact = min(1.0, C / (total + 1e-6))
+    if abs(coef - exact) > rtol * max(coef, exact) + 1e-6:
+        leaks = "leaks: the contribution can exceed C" if coef > exact else "clips harder than claimed"
+        return (f"the module's clipping coefficient is {coef:.6g} where min(1, C / norm) with the optimizer's "
+                f"C = {C:g} and the example's gradient norm {total:.6g} gives {exact:.6g} ({leaks})")
+    return None

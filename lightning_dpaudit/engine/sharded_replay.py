@@ -62,7 +62,6 @@ class ShardedReplay:
         self.root = root
         self.states = fsdp_states(root)
         self.full: Optional[dict] = None  # id(registered tensor) -> its gathered leaf, for the step being checked
-        self.short_of_memory: Optional[str] = None  # why the last checked step gathered nothing
 
     @property
     def declined(self) -> Optional[str]:
@@ -75,25 +74,27 @@ class ShardedReplay:
                         "from the gathered tensors does not reproduce")
         return None
 
-    def gather(self) -> bool:
-        """Every rank, at every checked step, before anything that can differ between ranks: the full tensors;
-        False (on every rank, agreed) where they would take more than half of a GPU's free memory on some rank."""
+    def gather(self) -> Optional[str]:
+        """Every rank, at every checked step, before anything that can differ between ranks: the full tensors.
+        None once gathered, else why not, the same on every rank: a mixed-precision policy (no collective), or the
+        gathered model taking more than half of a GPU's free memory on some rank (agreed in one all-reduce)."""
         from torch.distributed.tensor import DTensor
 
+        if self.declined is not None:
+            return self.declined
         params = list(self.root.parameters())
         need = sum(p.numel() * p.element_size() for p in params)
         device = params[0].device if params else torch.device("cpu")
         short = torch.tensor([1.0 if over_memory(need, device) else 0.0], device=device)
         torch.distributed.all_reduce(short, op=torch.distributed.ReduceOp.MAX)
         if float(short) > 0:
-            self.short_of_memory = (f"the gathered model ({need / 2**30:.2f} GiB) would take more than "
-                                    f"{MEMORY_SHARE:.0%} of a GPU's free memory on some rank")
-            return False
+            return (f"the gathered model ({need / 2**30:.2f} GiB) would take more than {MEMORY_SHARE:.0%} of a GPU's "
+                    "free memory on some rank")
         self.full = {}
         for p in params:
             whole = p.full_tensor() if isinstance(p, DTensor) else p
             self.full[id(p)] = whole.detach().clone().requires_grad_(p.requires_grad)
-        return True
+        return None
 
     def leaf(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor a replay differentiates for the registered (sharded) tensor p."""
