@@ -8,8 +8,9 @@ owns it:
 
     R = f (S + N)        S = the data's clipped sum over all ranks, N ~ N(0, sigma^2 C^2)
 
-Per audited step every rank computes the in-canaries' clipped sum K through its module's
-own ghost-clipping code (ghost.py) and adds f K at the coordinates it owns, so each
+Per audited step every rank takes the in-canaries' clipped sum K (through its module's own
+ghost-clipping code, ghost.py, at the exact checks' steps, compared there with a correct
+clipping; pre-clipped in between, per_sample.py) and adds f K at the coordinates it owns, so each
 canary enters the release once, where it lives. After the optimizer's own add_noise each
 rank reads (R - f S) / f at the pool coordinates it owns; one all-reduce of that vector
 (zeros where a rank owns nothing) gives every rank the whole release at the pool, hence
