@@ -23,10 +23,10 @@ RTOL = 1e-3
 
 
 class AccumulationLedger:
-    def __init__(self, optimizer, probe, *, ghost: bool, per_layer: bool, gather=None, summed=None):
+    def __init__(self, optimizer, probe, *, ghost: bool, per_layer: bool, path):
         self.optimizer, self.probe, self.ghost, self.per_layer = optimizer, probe, ghost, per_layer
-        self.gather = gather or probe.gather  # values at the pool (under FSDP: at the coordinates this rank holds)
-        self.summed = summed or (lambda: [p.summed_grad for p in probe.params])  # the optimizer's accumulated sums
+        self.gather = path.gather_pool  # values at the pool (under FSDP: at the coordinates this rank holds)
+        self.summed = path.summed_grads  # the optimizer's accumulated sums, where the optimizer keeps them
         self.total: Optional[torch.Tensor] = None
         self.batches = 0
         self.eps = 0.0  # unit roundoff of the lowest precision the batches' per-sample values were held in

@@ -171,7 +171,7 @@ class PrivacyAuditor:
             budget=per_sample_check_budget, seed=seed,
             ghost=is_ghost(optimizer), note_problem=lambda *a: self.pipeline.note_problem(*a),
             ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer,
-                                      gather=self.path.gather_pool, summed=self.path.summed_grads),
+                                      path=self.path),
             sharded=dist.is_sharded(optimizer),
             on_accumulate=self.run_checks.accumulated, further=(self.run_checks.coupling.replay,),
             passes_on=lambda error: error is self.pipeline._passed,
