@@ -725,7 +725,7 @@ def schedule_cases():
         ("sigma 1 -> '2'", "noise_multiplier", "2", "late"),
         ("C 1 -> 0", "max_grad_norm", 0.0, "late"),
         ("C 1 -> inf", "max_grad_norm", INF, "late"),
-        ("C 1 -> tensor", "max_grad_norm", "tensor", "late"),
+        ("C 1 -> tensor(2.)", "max_grad_norm", "tensor", HANDLED),
     ]
     for label, attribute, value, expect in changes:
         for canary in ("dirac", "random"):
@@ -1676,10 +1676,107 @@ def _final_datamodule():
 
 # ------------------------------------------------------------------ the table and the runner
 
+# ------------------------------------------------------------------ the run's options (data_loader, other_optimizers, training_loss)
+
+def run_option_cases():
+    """The options that show the audit the run around the optimizer. Each bad value is refused at attach naming the
+    option; each good one runs STEPS steps with the loop's own Opacus loader, the model equal to plain Opacus's, quiet
+    unless the value itself shows a mistake of the run (then the finding's code must be the right one)."""
+    import numpy as np
+    import torch
+
+    def dataset(loader):
+        return loader.dataset
+
+    values = [
+        # (label, option, make(model, optimizer, loader) -> value, expected, finding code expected or None)
+        ("data_loader=a string", "data_loader", lambda m, o, l: "loader", REFUSED, None),
+        ("data_loader=a number", "data_loader", lambda m, o, l: 3, REFUSED, None),
+        ("data_loader=a tensor", "data_loader", lambda m, o, l: torch.zeros(4, 2), REFUSED, None),
+        ("data_loader=a numpy array", "data_loader", lambda m, o, l: np.zeros((4, 2)), REFUSED, None),
+        ("data_loader=a dict", "data_loader", lambda m, o, l: {"x": 1}, REFUSED, None),
+        ("data_loader=iter(loader)", "data_loader", lambda m, o, l: iter(l), REFUSED, None),
+        ("data_loader=a generator", "data_loader", lambda m, o, l: (b for b in l), REFUSED, None),
+        ("data_loader=the dataset", "data_loader", lambda m, o, l: dataset(l), REFUSED, None),
+        ("data_loader=the optimizer", "data_loader", lambda m, o, l: o, REFUSED, None),
+        ("data_loader=the Opacus loader", "data_loader", lambda m, o, l: l, HANDLED, None),
+        ("data_loader=a shuffled loader", "data_loader",
+         lambda m, o, l: torch.utils.data.DataLoader(dataset(l), batch_size=64, shuffle=True), HANDLED, "sampling"),
+        ("data_loader=a sequential loader", "data_loader",
+         lambda m, o, l: torch.utils.data.DataLoader(dataset(l), batch_size=64), HANDLED, "sampling"),
+        ("data_loader=a list of batches", "data_loader", lambda m, o, l: [next(iter(l))], REFUSED, None),
+        ("data_loader=an empty loader", "data_loader",
+         lambda m, o, l: torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 1)), batch_size=4),
+         HANDLED, "sampling"),
+        ("other_optimizers=one optimizer", "other_optimizers",
+         lambda m, o, l: torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1), REFUSED, None),
+        ("other_optimizers=None", "other_optimizers", lambda m, o, l: None, REFUSED, None),
+        ("other_optimizers=a string", "other_optimizers", lambda m, o, l: "adam", REFUSED, None),
+        ("other_optimizers=[a string]", "other_optimizers", lambda m, o, l: ["adam"], REFUSED, None),
+        ("other_optimizers=a generator", "other_optimizers", lambda m, o, l: (x for x in ()), REFUSED, None),
+        ("other_optimizers=[]", "other_optimizers", lambda m, o, l: [], HANDLED, None),
+        ("other_optimizers=[the DP optimizer]", "other_optimizers", lambda m, o, l: [o], HANDLED, None),
+        ("other_optimizers=[SGD on a separate tensor]", "other_optimizers",
+         lambda m, o, l: [torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)], HANDLED, "outside_dp"),
+        ("other_optimizers=[SGD on the model]", "other_optimizers",
+         lambda m, o, l: [torch.optim.SGD(m.parameters(), lr=0.1)], HANDLED, None),  # the DP optimizer's tensors
+        ("training_loss=a string", "training_loss", lambda m, o, l: "cross_entropy", REFUSED, None),
+        ("training_loss=a number", "training_loss", lambda m, o, l: 1.0, REFUSED, None),
+        ("training_loss=the right loss", "training_loss",
+         lambda m, o, l: (lambda batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1], reduction="sum")),
+         HANDLED, None),
+        ("training_loss=takes no argument", "training_loss", lambda m, o, l: (lambda: 0.0), HANDLED, None),
+        ("training_loss=raises", "training_loss", lambda m, o, l: (lambda batch: 1 / 0), HANDLED, None),
+        ("training_loss=returns None", "training_loss", lambda m, o, l: (lambda batch: None), HANDLED, None),
+        ("training_loss=returns a vector", "training_loss",
+         lambda m, o, l: (lambda batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1], reduction="none")),
+         HANDLED, None),
+    ]
+    return [Case(f"run-options/{label}", "run options", expect, _run_option_case(option, make, expect, code))
+            for label, option, make, expect, code in values]
+
+
+def _run_option_case(option, make, expect, code):
+    def run():
+        quiet()
+        from lightning_dpaudit import PrivacyAuditor
+
+        reference = plain_params({}, STEPS)
+
+        def setup():
+            model, optimizer, loader, _ = private()
+            return model, optimizer, loader, PrivacyAuditor(optimizer, seed=1, **{option: make(model, optimizer, loader)})
+
+        def use(ctx):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run_steps(*ctx[:3], STEPS)
+
+        def check(ctx, _):
+            auditor, model = ctx[3], ctx[0]
+            result = auditor.result()
+            codes = sorted({f.code for f in result.findings})
+            if code is None:
+                cls, how = judge_run(auditor, model, reference, STEPS, [option])
+                if cls == "handled" and codes:
+                    return "silent-wrong", f"findings {codes} on a correct run: {str(result).splitlines()[0][:80]}"
+                return cls, how
+            if model_difference(model, reference) > TOL:
+                return "silent-wrong", "model differs from plain Opacus's"
+            if result.audit_failed is not None:
+                return "raw", f"audit_failed: {result.audit_failed[:150]}"
+            if code not in codes:
+                return "silent-wrong", f"expected finding {code}, got {codes}: {str(result).splitlines()[0][:80]}"
+            return "handled", f"finding {code} ({', '.join(codes)}); model == plain"
+
+        return staged(setup, use, check, [option])
+    return run
+
+
 def all_cases():
     cases = []
     for make in (auditor_option_cases, input_cases, attach_cases, schedule_cases, fault_cases, state_cases,
-                 callback_cases, report_cases, cli_cases, estimator_cases, final_model_cases):
+                 callback_cases, report_cases, cli_cases, estimator_cases, final_model_cases, run_option_cases):
         cases.extend(make())
     names = [c.name for c in cases]
     assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]

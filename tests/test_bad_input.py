@@ -656,7 +656,7 @@ def test_input_canaries_refuse_negative_or_malformed_settings(options, message):
 @_pytest.mark.parametrize("attribute,value,message", [
     ("noise_multiplier", _torch.tensor(1.0), r"noise_multiplier: tensor\(1\.\) of type Tensor; it must be a Python float"),
     ("noise_multiplier", "1.0", r"noise_multiplier: '1.0' of type str"),
-    ("max_grad_norm", _torch.tensor(1.0), r"max_grad_norm: tensor\(1\.\) of type Tensor"),
+    ("max_grad_norm", _torch.tensor([1.0, 2.0]), r"max_grad_norm: tensor\(\[1\., 2\.\]\) of type Tensor"),
 ])
 def test_a_claim_that_is_not_a_number_is_named_with_its_type(attribute, value, message):
     _, optimizer, _, _ = _private(seed=0)
@@ -972,3 +972,47 @@ def test_a_noise_multiplier_of_zero_mid_run_does_not_stop_training():
     with _pytest.warns(AuditFailedWarning):
         _train(model, optimizer, loader, 1)
     assert "noise_multiplier" in auditor.result(accounting=False).audit_failed
+
+
+@_pytest.mark.parametrize("make", [
+    lambda loader: "loader", lambda loader: [next(iter(loader))], lambda loader: {"x": 1},
+    lambda loader: _torch.zeros(4, 2), lambda loader: _np.zeros((4, 2)), lambda loader: iter(loader),
+    lambda loader: (batch for batch in loader),
+], ids=["string", "list", "dict", "tensor", "array", "iterator", "generator"])
+def test_a_data_loader_that_cannot_be_watched_is_refused_at_attach(make):
+    """Before: a list, a dict, an array or a generator raised a raw TypeError from the class swap, a tensor was
+    accepted, and an iterator over the loop's loader was consumed by the audit (the model then differed)."""
+    _, optimizer, loader, _ = _private(seed=0)
+    with _pytest.raises(ValueError, match=r"Unexpected value for `data_loader`"):
+        _Auditor(optimizer, data_loader=make(loader))
+    assert _untouched(optimizer)
+
+
+def test_watch_loader_refuses_an_iterator():
+    _, optimizer, loader, _ = _private(seed=0)
+    auditor = _Auditor(optimizer, seed=1)
+    with _pytest.raises(ValueError, match=r"Unexpected value for `loader`"):
+        auditor.watch_loader(iter(loader))
+
+
+def test_a_one_value_tensor_clipping_bound_set_mid_run_is_the_new_claim():
+    """Opacus clips and noises with a 0-d tensor max_grad_norm as with the float; the audit reads it as that number
+    (before: the audit stopped with 'it must be a Python float')."""
+    def train(model, optimizer, loader):
+        for step, (images, labels) in zip(range(4), loader):
+            if step == 2:
+                optimizer.max_grad_norm = _torch.tensor(2.0)
+            optimizer.zero_grad()
+            _torch.nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+
+    plain_model, plain_optimizer, plain_loader, _ = _private(seed=0)
+    train(plain_model, plain_optimizer, plain_loader)
+    model, optimizer, loader, _ = _private(seed=0)
+    auditor = _Auditor(optimizer, seed=1)
+    train(model, optimizer, loader)
+    result = auditor.result()
+    assert result.audit_failed is None and result.steps == 4 and result.n_in > 0
+    assert set(auditor.kind.probe.clip_bounds) == {2.0}  # the canaries are sized by the new bound
+    for p, q in zip(model.parameters(), plain_model.parameters()):  # equal but for the canaries' float32 rounding
+        _torch.testing.assert_close(p, q, rtol=0, atol=1e-6)

@@ -20,14 +20,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .options import Mechanism, check_claim
+from .options import Mechanism, check_claim, claim_number
 
 
 def claim_of(optimizer) -> tuple:
     """(noise multiplier, clipping bounds per tensor) as the optimizer holds them now."""
     bounds = getattr(optimizer, "max_grad_norms", None)
     if bounds is None:
-        bounds = [optimizer.max_grad_norm] * len(optimizer.params)
+        bounds = [claim_number(optimizer.max_grad_norm)] * len(optimizer.params)
     return optimizer.noise_multiplier, tuple(bounds)
 
 
@@ -57,7 +57,7 @@ class StepClaims:
             sigma, bounds = now
             self.mechanism = replace(
                 self.mechanism, clip_bounds=np.array(bounds, dtype=float), noise_multiplier=float(sigma),
-                max_grad_norm=float(self.optimizer.max_grad_norm),
+                max_grad_norm=float(claim_number(self.optimizer.max_grad_norm)),
             )
             self._read = now
             self.on_change(self.mechanism)

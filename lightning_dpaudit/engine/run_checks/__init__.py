@@ -27,11 +27,26 @@ from .watched_loader import WatchedLoader
 __all__ = ["PIPELINE_CODES", "RunChecks", "RunView", "check_run_options"]
 
 
+def watchable(loader) -> bool:
+    """Whether the loader can be watched as the loop iterates it: an object of a class of its own (not a built-in
+    container, a tensor or an array) whose iteration starts afresh each time (not an iterator or a generator)."""
+    import numpy as np
+    import torch
+
+    kind = type(loader)
+    if not callable(getattr(kind, "__iter__", None)) or kind.__module__ == "builtins" or not hasattr(loader, "__dict__"):
+        return False
+    if isinstance(loader, (torch.Tensor, np.ndarray)) or callable(getattr(kind, "__next__", None)):
+        return False
+    return True
+
+
 def check_run_options(*, data_loader, training_loss, other_optimizers) -> None:
     """PrivacyAuditor's options for the run checks, each refused by name."""
-    if data_loader is not None and not callable(getattr(type(data_loader), "__iter__", None)):
+    if data_loader is not None and not watchable(data_loader):
         raise ValueError(f"Unexpected value for `data_loader`: {type(data_loader).__name__}; pass the DataLoader the "
-                         "training loop iterates, or None")
+                         "training loop iterates (an iterable object of its own class, not an iterator, a container "
+                         "or a tensor), or None")
     if training_loss is not None and not callable(training_loss):
         raise ValueError(f"Unexpected value for `training_loss`: {training_loss!r}; pass a callable taking a loader "
                          "batch and returning the step's loss, or None")
@@ -92,6 +107,9 @@ class RunChecks:
 
     def watch(self, loader) -> None:
         """The plain loop's loader: read it, and see each batch it delivers (until `close`)."""
+        if not watchable(loader):
+            raise ValueError(f"Unexpected value for `loader`: {type(loader).__name__}; pass the DataLoader the training "
+                             "loop iterates (an iterable object of its own class, not an iterator or a container)")
         if self.watched is not None:
             self.watched.restore()
         self.loader(loader)
