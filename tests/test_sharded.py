@@ -80,6 +80,8 @@ def test_fsdp_pipeline_mistakes_are_flagged_and_mixed_precision_is_declined(tmp_
     assert found["centred"]["findings"] == ["coupled_examples"] and found["centred"]["first"] == {"coupled_examples": 1}
     assert found["mixed_precision"]["findings"] == []
     assert "mixed-precision policy" in found["mixed_precision"]["data_path"]
+    assert ("independence of examples (nothing compared yet: the exact checks replayed nothing: "
+            in found["mixed_precision"]["pipeline"]), found["mixed_precision"]["pipeline"]
 
 
 def test_fsdp_a_rank_whose_exact_check_stopped_still_gathers_with_the_others(tmp_path):

@@ -173,7 +173,7 @@ class PrivacyAuditor:
             ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer,
                                       path=self.path),
             sharded=dist.is_sharded(optimizer),
-            on_accumulate=self.run_checks.accumulated, further=(self.run_checks.coupling.replay,),
+            on_accumulate=self.run_checks.accumulated, further=(self.run_checks.coupling,),
             passes_on=lambda error: error is self.pipeline._passed,
         )
         self.path.verify_start(options.canaries_per_step, seed)

@@ -70,7 +70,8 @@ class PerSampleCheck:
         self.optimizer, self.params, self.names = optimizer, list(params), names
         self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
         self.on_accumulate = on_accumulate  # told of every physical batch the optimizer accumulates (run_checks)
-        self.further = tuple(further)  # further replays at a checked step: step -> whether they found the examples coupled
+        self.further = tuple(further)  # further replays at a checked step: .replay(step) -> whether they found the
+        # examples coupled; .decline(reason) where nothing could be replayed at that step
         self.passes_on = passes_on  # what the alarm raised through note_problem (the user's on_violation): not the check's
         self.module, self.steps, self.note_problem = module, steps, note_problem
         self.every, self.examples, self.ghost = every, examples, ghost
@@ -191,6 +192,8 @@ class PerSampleCheck:
                 try:
                     why_not = None if self.replica is None else self.replica.gather()  # every rank, under FSDP
                     self.skipped = why_not or self.skipped
+                    for further in self.further if why_not is not None else ():
+                        further.decline(why_not)
                     if why_not is None and calls and not self._replay_further(step):
                         self._compare(calls, step)
                 finally:
@@ -251,7 +254,7 @@ class PerSampleCheck:
         if not self.further:
             return False
         with self._replaying():
-            coupled = [replay(step) for replay in self.further]
+            coupled = [further.replay(step) for further in self.further]
         if any(coupled):
             self.skipped = "the examples are coupled (run checks): no example has a gradient of its own"
         return any(coupled)

@@ -318,6 +318,10 @@ class CouplingCheck(RunCheck):
             h.remove()
         self.handles, self.call = [], None
 
+    def decline(self, reason: str) -> None:
+        """The exact check replayed nothing at a due step, for `reason`: so neither did this check."""
+        self.skipped = self.skipped or f"the exact checks replayed nothing: {reason}"
+
     def status(self) -> str:
         how = "training step" if (self.step_fn is not None or self.training_loss is not None) else "forward pass"
         if not self.compared:
