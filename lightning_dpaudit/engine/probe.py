@@ -63,7 +63,7 @@ class CanarySum:
                 p.summed_grad = s + k.view_as(s)
             else:
                 flat = s.view(-1)
-                self._saved.append(flat[cols].clone())
+                self._saved.append(flat[cols])  # indexing by a tensor copies
                 flat.index_add_(0, cols, k.to(flat.dtype))
                 if hasattr(s, "_processed"):  # a second privatization of the same sum (paired mode)
                     del s._processed
@@ -83,7 +83,7 @@ class CanarySum:
             if cols is None:
                 t.sub_(k.view_as(t))
             else:
-                t.view(-1).index_add_(0, cols, -k.to(t.dtype))
+                t.view(-1).index_add_(0, cols, k.to(t.dtype), alpha=-1)
 
 
 class GradientProbe:
