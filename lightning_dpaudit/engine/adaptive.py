@@ -47,7 +47,8 @@ import torch
 from .claims import StepClaims, claim_of
 from .distributed import world_size
 from .ghost import is_ghost
-from .options import Mechanism, check_claim
+from .claim_range import check_claim
+from .options import Mechanism
 from .paths.per_sample import PerSampleRelease
 
 CODE = "adaptive_accounting"

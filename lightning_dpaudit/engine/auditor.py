@@ -31,6 +31,7 @@ from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
 from .accumulation_check import AccumulationLedger
 from .adaptive import mechanism_of, step_claims
+from .claim_range import check_claim
 from .claims import normalisation_problem
 from .divergence import diverged_step
 from .ghost import check_ghost_options, is_ghost
@@ -39,7 +40,7 @@ from .kinds.input_probe import check_input_model
 from .opacus_step import CODE as OPACUS_ERROR
 from .opacus_step import OpacusStep
 from .options import (
-    BATCHED_CHECK_EVERY, check_accountant, check_claim, check_module, check_opacus_version, find_accountant, validate,
+    BATCHED_CHECK_EVERY, check_accountant, check_module, check_opacus_version, find_accountant, validate,
 )
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck

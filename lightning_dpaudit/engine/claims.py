@@ -20,7 +20,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .options import Mechanism, check_claim, claim_number
+from .claim_range import check_claim, claim_number
+from .options import Mechanism
 
 
 def claim_of(optimizer) -> tuple:

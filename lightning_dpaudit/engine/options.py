@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import numpy as np
-import torch
 
 from ..analysis.observations import MAX_WINDOW
 from ..analysis.record import FRESHNESS_SHARE, REPEAT_ALPHA
 from ..estimators.bounds import METHODS
-from . import claim_range
+from .claim_range import check_canary_norms
 from .kinds.canaries import KINDS
 from .kinds.input_canaries import INPUT_KINDS, InputCanaries
 
@@ -288,26 +287,6 @@ def check_opacus_version(version: str) -> None:
         )
 
 
-def claim_number(value):
-    """A clipping bound as a float: a real number, or a one-element floating tensor (Opacus clips and noises with
-    either); anything else is returned as it is, for `_not_a_number` to refuse."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
-        return float(value)
-    return value
-
-
-def _not_a_number(name: str, value) -> float:
-    """The optimizer attribute as a float; refused when it is not a plain number (a string; a tensor for the noise
-    multiplier, which Opacus's accountants cannot compose; a tensor of several values for a bound), naming its value
-    and type."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(
-            f"Unexpected value for the optimizer's {name}: {value!r} of type {type(value).__name__}; it must be a "
-            f"Python float (set optimizer.{name} = float(...))"
-        )
-    return float(value)
-
-
 def check_module(module, params) -> None:
     """`module`, when given, must hold at least one of the optimizer's parameters (it may hold others: a
     LightningModule around the model); another model's GradSampleModule would be read as the one trained."""
@@ -319,39 +298,6 @@ def check_module(module, params) -> None:
             f"Unexpected value for `module`: {type(module).__name__}, none of its parameters are the optimizer's; "
             "pass the model the optimizer trains (the GradSampleModule from make_private, or a module holding it)"
         )
-
-
-def check_claim(optimizer) -> None:
-    """The optimizer's noise multiplier and clipping bound(s) must make a privacy claim to audit, one float32 can hold
-    (claim_range.py: each bound C and the noise's std sigma * C in float32's normal range)."""
-    sigma = _not_a_number("noise_multiplier", optimizer.noise_multiplier)
-    if not math.isfinite(sigma) or sigma <= 0:
-        raise ValueError(
-            f"Unexpected value for the optimizer's noise_multiplier: {sigma}; "
-            "with no noise there is no privacy claim to audit (it must be a finite number > 0)"
-        )
-    per_layer = getattr(optimizer, "max_grad_norms", None)
-    for bound in [optimizer.max_grad_norm] if per_layer is None or len(per_layer) == 0 else per_layer:
-        bound = _not_a_number("max_grad_norm", claim_number(bound))
-        if not math.isfinite(bound) or bound <= 0:
-            raise ValueError(
-                f"Unexpected value for the optimizer's max_grad_norm: {bound}; clipping needs a finite bound > 0"
-            )
-        problem = claim_range.bound_problem(bound)
-        if problem is not None:
-            raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {bound}; {problem}")
-    problem = claim_range.noise_problem(sigma, float(claim_number(optimizer.max_grad_norm)))
-    if problem is not None:
-        raise ValueError(f"Unexpected value for the optimizer's noise_multiplier: {sigma}; {problem}")
-
-
-def check_canary_norms(optimizer, canary_scale: float) -> None:
-    """The canaries, planted at canary_scale times each bound, must have a norm float32's clipping computes."""
-    per_layer = getattr(optimizer, "max_grad_norms", None)
-    bounds = [float(b) for b in per_layer] if per_layer else [float(optimizer.max_grad_norm)]
-    problem = claim_range.canary_problem(bounds, canary_scale)
-    if problem is not None:
-        raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {max(bounds)}; {problem}")
 
 
 def check_accountant(accountant) -> None:
