@@ -37,14 +37,14 @@ from .divergence import diverged_step
 from .ghost import check_ghost_options, is_ghost
 from .kinds import ALL_KIND_NAMES, canary_kind_for
 from .kinds.input_probe import check_input_model
-from .opacus_step import CODE as OPACUS_ERROR
+from .noised_step import NoisedStep, canary_clipping
 from .opacus_step import OpacusStep
 from .options import (
     BATCHED_CHECK_EVERY, check_accountant, check_module, check_opacus_version, find_accountant, validate,
 )
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
-from .pipeline import StepPipeline, noise_cause
+from .pipeline import StepPipeline
 from .run_checks import RunChecks, check_run_options
 from .state import AuditStateError, check_state, composed_steps, dump_state, setup_of
 from .user_warning import warn_at_user_code
@@ -152,7 +152,7 @@ class PrivacyAuditor:
             note_problem=lambda *a: self.pipeline.note_problem(*a), sentinels=self.kind.sentinels, noise_std=sigma * C,
             layer_names=self.layer_names, checksum_every=options.checksum_every,
             noise_seed=None if seed is None else int(np.random.default_rng([seed, 28]).integers(2**62)),
-            canary_clipping=self._canary_clipping,
+            canary_clipping=lambda step: canary_clipping(self.per_sample_check, step),
         ))
         check_every = options.check_every
         if check_every == "auto":
@@ -178,69 +178,15 @@ class PrivacyAuditor:
             passes_on=lambda error: error is self.pipeline._passed,
         )
         self.path.verify_start(options.canaries_per_step, seed)
-        self.path.attach(self._noised_step)
-        self.opacus_step = OpacusStep(optimizer, steps=lambda: self.pipeline.steps, report=self._opacus_error,
+        self.noised_step = NoisedStep(optimizer, self.pipeline, self.per_sample_check, self.run_checks, self.path)
+        self.path.attach(self.noised_step)
+        self.opacus_step = OpacusStep(optimizer, steps=lambda: self.pipeline.steps, report=self.noised_step.opacus_error,
                                       raised_by_audit=lambda error: error is self.pipeline.raised)
         optimizer._dpaudit_auditor = self
         # what the claim does not cover, stated beside the result (not a leak beyond the claim's own terms)
         self.notes = [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
         self.run_checks.attach(data_loader)
         self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
-
-    def _canary_clipping(self, step: int) -> str:
-        """The canaries pass through the optimizer's own clipping, compared with a correct clipping, at the exact
-        checks' steps; between them they enter as a correct clipping leaves them; where those checks are off or
-        stopped, every step clips them (nothing else then verifies clipping)."""
-        check = self.per_sample_check
-        if check.every == 0 or check.failed is not None:
-            return "optimizer"
-        return "compared" if check.due(step) else "correct"
-
-    def _noised_step(self) -> None:
-        """The optimizer's add_noise while attached: the exact check, then the audited step. An error of the check's
-        own code before the audited step runs fails the audit as one inside it would (detached, the step released
-        as without it, one AuditFailedWarning); what the audited step raises is its own to pass on. Once training
-        diverged (divergence.py) the step is the plain one, with no check: at the exact checks' steps the tensors
-        they would compare are tested first."""
-        pipeline, entered = self.pipeline, False
-
-        def audited_step():
-            nonlocal entered
-            entered = True
-            self.pipeline.audited_step()
-
-        try:
-            if not pipeline.failed and noise_cause(self.optimizer)[0] == "max_grad_norm":  # set to NaN, 0 or below
-                bound = self.optimizer.max_grad_norm  # named now, not taken for a divergence of the values it gives
-                raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {bound!r}; clipping needs a "
-                                 "finite bound > 0")
-            check = self.per_sample_check
-            if pipeline.diverged is None and not pipeline.failed and (check.due(pipeline.steps) or
-                                                                       check.meets_the_others(pipeline.steps)):
-                pipeline.diverged_by_now(agreed=True)  # under FSDP every rank at the cadence's steps
-            if pipeline.diverged is not None:
-                self.per_sample_check.close()
-                audited_step()  # the plain step
-                return
-            self.run_checks.step()
-            self.per_sample_check.around(self.pipeline.steps, audited_step)
-        except Exception as error:
-            if entered or self.pipeline.failed or not self.path.local or error is self.pipeline._passed:
-                if not entered and error is not self.pipeline._passed:
-                    self.pipeline.raised = error  # the audit's own
-                raise
-            self.pipeline._fail(error, self.pipeline.steps, noised=False)
-
-    def _opacus_error(self, error: BaseException, step: int, released: bool) -> None:
-        """Opacus's own step raised `error` at `step` (opacus_step.py passes it on): recorded, no alarm. After the
-        step's release the claim check follows the accountant's history as it is (the step may not be composed)."""
-        if released and self.pipeline.claims is not None:
-            self.pipeline.claims.resync(self.pipeline.steps)
-        where = ("after the step's release, so the step may be neither applied nor composed by the accountant; the "
-                 "later steps are checked against the accountant's history as it is" if released
-                 else "before the step's release")
-        self.pipeline.note_problem(OPACUS_ERROR, f"Opacus's own step raised {type(error).__name__}: {error} at step "
-                                   f"{step}, {where} (the error was passed on)", step, False)
 
     def detach(self) -> None:
         """Restore the optimizer exactly as it was before the auditor attached."""
