@@ -1,5 +1,6 @@
 """`dpaudit report DIR` as a CI gate: every report under DIR is read, each prints its path, summary and verdict, and
-the command exits with the worst status (3 a violation, 4 a failed audit, 1 a damaged report, 0 all OK); `--latest`
+the command exits with the worst status (3 a violation, 4 a failed audit, 5 a run whose training diverged, 1 a damaged
+report, 0 all OK); `--latest`
 reads the newest alone. A failed audit fails the test-suite helpers too, and the demo refuses a bug it does not
 know (the empty name included) and a noise multiplier whose claim is beyond the float range."""
 
@@ -21,6 +22,8 @@ _OK = {
 _VIOLATION = {**_OK, "violation": True, "violating_layers": ["pooled"], "first_violation_step": 3}
 _FAILED = {**_OK, "audit_failed": "TypeError: boom at step 4"}
 FAILURE_LINE = "the audit failed: its record is incomplete (TypeError: boom at step 4)"
+_DIVERGED = {**_OK, "findings": [{"code": "training_diverged", "message": "training diverged at step 7: a parameter, "
+                                  "a gradient or the release is NaN or inf"}]}
 
 
 def _write(directory, result, mtime=None):
@@ -39,6 +42,14 @@ def test_a_report_whose_audit_failed_exits_with_its_own_status_and_names_the_fai
     assert FAILURE_LINE in out.splitlines()
 
 
+def test_a_report_whose_training_diverged_exits_with_its_own_status_and_says_from_when(tmp_path, capsys):
+    """Before: exit 0, the run's OK verdict standing for steps that were never audited."""
+    _write(tmp_path, _DIVERGED)
+    assert main(["report", str(tmp_path)]) == 5
+    out = capsys.readouterr().out
+    assert "the audit covers only the steps before training diverged (training diverged at step 7)" in out.splitlines()
+
+
 def test_a_violation_with_a_failed_audit_keeps_the_violations_status_and_still_names_the_failure(tmp_path, capsys):
     _write(tmp_path, {**_VIOLATION, "audit_failed": "TypeError: boom at step 4"})
     assert main(["report", str(tmp_path)]) == 3
@@ -52,6 +63,8 @@ def test_a_violation_with_a_failed_audit_keeps_the_violations_status_and_still_n
     ({"a": "{damaged", "b": _FAILED, "c": _OK}, 4),
     ({"a": _VIOLATION, "b": _FAILED, "c": "{damaged", "d": _OK}, 3),
     ({"a": _FAILED, "b": _VIOLATION}, 3),
+    ({"a": _OK, "b": _DIVERGED, "c": "{damaged"}, 5),
+    ({"a": _DIVERGED, "b": _FAILED}, 4),
 ])
 def test_every_report_under_the_directory_is_gated_and_the_worst_status_wins(tmp_path, capsys, runs, status):
     """The newest report is the last written (`b`, `c` or `d`): an older bad one still fails the gate."""

@@ -2,7 +2,8 @@
 
 `dpaudit report DIR` is a CI gate over every audit_report.json at or below DIR (`--latest`: the
 newest alone). Each report's status: 0 when it is OK, VIOLATION_EXIT (3) when it records a
-violation, FAILED_EXIT (4) when the audit failed (its record is incomplete), 1 when it is damaged;
+violation, FAILED_EXIT (4) when the audit failed (its record is incomplete), DIVERGED_EXIT (5) when
+training diverged (nothing after it was audited), 1 when it is damaged;
 the command exits with the worst of them (WORST_FIRST), 1 when there is no report, 2 for a bad
 argument.
 """
@@ -23,12 +24,14 @@ INPUT_CANARIES = ("mislabeled", "blank", "adversarial", "crafted")
 FINAL_MODEL_CANARIES = ("ood", "mislabeled", "blank", "crafted")  # final_model.FINAL_MODEL_KINDS
 VIOLATION_EXIT = 3  # `dpaudit report` on a report that records a violation
 FAILED_EXIT = 4  # `dpaudit report` on a report whose audit failed: its record is incomplete
+DIVERGED_EXIT = 5  # `dpaudit report` on a report whose training diverged: the steps from there on went unaudited
 DAMAGED_EXIT = 1  # `dpaudit report` with no report, or a damaged one
 # The statuses of several reports, worst first: the command exits with the first that any report has. A
 # violation is a leak the numbers prove (even from an incomplete record), so it outranks everything; a failed
-# audit proves that part of the run went unaudited, so its OK verdict stands on nothing; a damaged report says
-# nothing about its run, but it does not vouch for it either; 0 only when every report is OK.
-WORST_FIRST = (VIOLATION_EXIT, FAILED_EXIT, DAMAGED_EXIT, 0)
+# audit proves that part of the run went unaudited, so its OK verdict stands on nothing; so does a run whose training
+# diverged, for the steps from there on; a damaged report says nothing about its run, but it does not vouch for it
+# either; 0 only when every report is OK.
+WORST_FIRST = (VIOLATION_EXIT, FAILED_EXIT, DIVERGED_EXIT, DAMAGED_EXIT, 0)
 
 
 def _demo(args) -> int:
@@ -101,15 +104,18 @@ def _report(args) -> int:
         statuses.append(_gate_one(path.parent))
     if len(statuses) > 1:
         counts = {status: statuses.count(status) for status in WORST_FIRST if status in statuses}
-        names = {VIOLATION_EXIT: "violation", FAILED_EXIT: "audit failed", DAMAGED_EXIT: "damaged", 0: "OK"}
+        names = {VIOLATION_EXIT: "violation", FAILED_EXIT: "audit failed", DIVERGED_EXIT: "training diverged",
+                 DAMAGED_EXIT: "damaged", 0: "OK"}
         print(f"\n{len(statuses)} reports: " + ", ".join(f"{n} {names[status]}" for status, n in counts.items()))
     return next(status for status in WORST_FIRST if status in statuses)
 
 
 def _gate_one(run: Path) -> int:
-    """One report's path line, summary and verdict; its status (0, VIOLATION_EXIT, FAILED_EXIT or DAMAGED_EXIT)."""
+    """One report's path line, summary and verdict; its status (0, VIOLATION_EXIT, FAILED_EXIT, DIVERGED_EXIT or
+    DAMAGED_EXIT)."""
     from ..analysis.report import summary_table
     from ..analysis.report_reading import ReportError, load_report
+    from ..analysis.results import DIVERGED
 
     try:
         report = load_report(run)
@@ -121,9 +127,12 @@ def _gate_one(run: Path) -> int:
     failed = report["result"].get("audit_failed")
     if failed is not None:
         print(f"the audit failed: its record is incomplete ({failed})")
+    diverged = next((f for f in report["result"].get("findings") or () if f["code"] == DIVERGED), None)
+    if diverged is not None:
+        print(f"the audit covers only the steps before training diverged ({diverged['message'].split(':')[0]})")
     if report["result"]["violation"]:
         return VIOLATION_EXIT  # the stronger claim, even with a failure
-    return FAILED_EXIT if failed is not None else 0
+    return FAILED_EXIT if failed is not None else DIVERGED_EXIT if diverged is not None else 0
 
 
 def _at_least(minimum: int, maximum: Optional[int] = None, why: str = ""):
@@ -265,11 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo, check=_check_demo_flags, parser=demo)
     report = commands.add_parser(
         "report", help="gate on the finished audits under a directory; exit status 0 if all are OK, 3 on a violation, "
-        "4 if an audit failed, 1 if a report is missing or damaged",
+        "4 if an audit failed, 5 if training diverged, 1 if a report is missing or damaged",
         description="Print the summary and verdict of every audit report (audit_report.json) at or below DIRECTORY, "
         "or of the most recent one with --latest. Exit status, the worst over the reports: 3 when one records a "
-        "violation, 4 when an audit failed (its record is incomplete), 1 when there is no report or one is damaged, "
-        "0 when every one is OK; 2 for a bad argument.",
+        "violation, 4 when an audit failed (its record is incomplete), 5 when training diverged (the steps from "
+        "there on went unaudited), 1 when there is no report or one is damaged, 0 when every one is OK; 2 for a bad "
+        "argument.",
     )
     report.add_argument("directory", help="a run's log directory (or a folder above it)")
     report.add_argument("--latest", action="store_true",
