@@ -76,7 +76,7 @@ def _not_a_number(name: str, value) -> float:
 
 def check_claim(optimizer) -> None:
     """The optimizer's noise multiplier and clipping bound(s) must make a privacy claim to audit, one float32 can hold
-    (py: each bound C and the noise's std sigma * C in float32's normal range)."""
+    (above: each bound C and the noise's std sigma * C in float32's normal range)."""
     sigma = _not_a_number("noise_multiplier", optimizer.noise_multiplier)
     if not math.isfinite(sigma) or sigma <= 0:
         raise ValueError(

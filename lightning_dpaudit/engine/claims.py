@@ -58,7 +58,7 @@ class StepClaims:
             sigma, bounds = now
             self.mechanism = replace(
                 self.mechanism, clip_bounds=np.array(bounds, dtype=float), noise_multiplier=float(sigma),
-                max_grad_norm=float(claim_number(self.optimizer.max_grad_norm)),
+                max_grad_norm=float(self.optimizer.max_grad_norm),
             )
             self._read = now
             self.on_change(self.mechanism)
