@@ -41,12 +41,18 @@ def watchable(loader) -> bool:
     return True
 
 
+def refuse_unwatchable(name: str, loader) -> None:
+    """A ValueError naming the option `name` unless `loader` can be watched."""
+    if not watchable(loader):
+        raise ValueError(f"Unexpected value for `{name}`: {type(loader).__name__}; pass the DataLoader the training "
+                         "loop iterates (an iterable object of its own class, not an iterator, a container or a "
+                         "tensor)" + (", or None" if name == "data_loader" else ""))
+
+
 def check_run_options(*, data_loader, training_loss, other_optimizers) -> None:
     """PrivacyAuditor's options for the run checks, each refused by name."""
-    if data_loader is not None and not watchable(data_loader):
-        raise ValueError(f"Unexpected value for `data_loader`: {type(data_loader).__name__}; pass the DataLoader the "
-                         "training loop iterates (an iterable object of its own class, not an iterator, a container "
-                         "or a tensor), or None")
+    if data_loader is not None:
+        refuse_unwatchable("data_loader", data_loader)
     if training_loss is not None and not callable(training_loss):
         raise ValueError(f"Unexpected value for `training_loss`: {training_loss!r}; pass a callable taking a loader "
                          "batch and returning the step's loss, or None")
@@ -107,9 +113,7 @@ class RunChecks:
 
     def watch(self, loader) -> None:
         """The plain loop's loader: read it, and see each batch it delivers (until `close`)."""
-        if not watchable(loader):
-            raise ValueError(f"Unexpected value for `loader`: {type(loader).__name__}; pass the DataLoader the training "
-                             "loop iterates (an iterable object of its own class, not an iterator or a container)")
+        refuse_unwatchable("loader", loader)
         if self.watched is not None:
             self.watched.restore()
         self.loader(loader)
