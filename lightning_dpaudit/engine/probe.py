@@ -47,6 +47,7 @@ class CanarySum:
         self.values = values
         self.columns = list(columns)
         self.pool_positions = pool_positions  # compressed: the pool position of every column, in order
+        self.at_pool: Optional[torch.Tensor] = None  # K at the pool (float64), where it was computed in advance
         self._saved: list = []
 
     @property
@@ -234,6 +235,8 @@ class GradientProbe:
 
     def gather_sum(self, added: CanarySum) -> torch.Tensor:
         """K at the pool coordinates, float64 on the parameters' device."""
+        if added.at_pool is not None:
+            return added.at_pool
         if added.dense:
             return self.gather(added.values)
         out = torch.zeros(len(self.pool), dtype=torch.float64, device=self.pool.device)
@@ -242,8 +245,8 @@ class GradientProbe:
         return out
 
     def sum_at_pool(self, added: CanarySum) -> np.ndarray:
-        """`gather_sum` on the host, as a numpy float64 array."""
-        return self.gather_sum(added).cpu().numpy()
+        """`gather_sum` on the host, as a numpy float64 array of its own."""
+        return self.gather_sum(added).cpu().numpy().copy()
 
     def subtract_at_pool(self, tensors: Sequence[torch.Tensor], values: np.ndarray) -> None:
         """tensor -= values at the pool coordinates, in place (values: one per pool position)."""
@@ -256,13 +259,16 @@ class GradientProbe:
                 where = idx[torch.as_tensor(nonzero, device=idx.device)]
                 t.view(-1).index_add_(0, where, torch.as_tensor(-part[nonzero], dtype=t.dtype, device=t.device))
 
-    def project_on_device(self, pool_values, canaries: StepCanaries):
-        """`project` where the values live: a float64 tensor on their device for a tensor, numpy otherwise."""
+    def project_on_device(self, pool_values, canaries: StepCanaries, planned=None):
+        """`project` where the values live: a float64 tensor on their device for a tensor, numpy otherwise
+        (`planned`: a PlannedStep of these canaries, whose index and w / C_l are on the device already)."""
         if not torch.is_tensor(pool_values):
             return self.project(pool_values, canaries)
-        device = pool_values.device
-        index = torch.as_tensor(canaries.pool_index, device=device)
-        scaled = torch.as_tensor(canaries.weights / self.clip_bounds[canaries.tensor][:, None], device=device)
+        if planned is not None and planned.index is not None:
+            index, scaled = planned.index, planned.scaled
+        else:
+            index = torch.as_tensor(canaries.pool_index, device=pool_values.device)
+            scaled = torch.as_tensor(canaries.weights / self.clip_bounds[canaries.tensor][:, None], device=pool_values.device)
         return (scaled * pool_values[index]).sum(dim=1)
 
     def project(self, pool_values: np.ndarray, canaries: StepCanaries) -> np.ndarray:

@@ -37,6 +37,7 @@ class Planted:
     rows: Callable[[np.ndarray], Tuple[List[torch.Tensor], list]]
     canaries: object = None  # the kind's own record of what it planted
     preclipped: Optional[Callable[[np.ndarray], object]] = None  # which -> CanarySum as correct clipping leaves them
+    device: object = None  # what the kind made ready on the device to read them with (None: nothing)
 
 
 @dataclass

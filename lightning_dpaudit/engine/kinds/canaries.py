@@ -207,10 +207,19 @@ class CanarySampler:
 
         Steps are drawn BLOCK at a time (one vectorized draw) and handed out one by one.
         """
+        return self.canaries_of(self.upcoming(all_in=all_in).pop(0))
+
+    def upcoming(self, *, all_in: bool = False) -> list:
+        """The drawn steps not yet handed out, (positions, weights, is_in) each, the next step's first: the rest
+        of the current block, or a new block when it is used up (or drawn for the other all_in)."""
         if not self._block or self._block_all_in != all_in:
             self._block = self._draw_block(BLOCK, all_in)
             self._block_all_in = all_in
-        positions, weights, is_in = self._block.pop(0)
+        return self._block
+
+    def canaries_of(self, entry) -> StepCanaries:
+        """The StepCanaries of one entry of `upcoming`."""
+        positions, weights, is_in = entry
         return StepCanaries(self._layout, self._pool_local[positions], positions, weights, is_in)
 
     def _draw_block(self, steps: int, all_in: bool) -> list:

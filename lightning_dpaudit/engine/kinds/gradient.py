@@ -14,6 +14,7 @@ from ...analysis.schema import Field, Section
 from .canaries import SAMPLER, CanarySampler, _pool
 from ..probe import GradientProbe
 from .base import Planted, Reading, ReleaseView, sentinel_noise
+from .canary_plan import PlannedStep, plan
 
 
 POOL = Field("pool", "list", items=Field("coordinates", "array", dtype="int", low=0), rule=_pool)
@@ -30,15 +31,30 @@ class GradientCanaries:
         self.layer_names, self.layer_claims = layer_names, layer_claims
         self.sentinels, self.noise_std = sentinels, float(noise_std)
         self._sentinels_device = None if sentinels is None else torch.as_tensor(sentinels, device=probe.pool.device)
+        self._planned: list = []  # PlannedSteps of the sampler's current block, the next step's first
 
     def plant(self, step: int, *, all_in: bool = False) -> Planted:
-        canaries = self.sampler.next_step(all_in=all_in)
+        planned = self._next_planned(all_in)
+        canaries = planned.canaries
+
+        def preclipped(which):
+            added = planned.preclipped_for(which)
+            return self.probe.preclipped(canaries, which) if added is None else added
+
         return Planted(canaries.is_in, lambda which: self.probe.canary_rows(canaries, which), canaries,
-                       preclipped=lambda which: self.probe.preclipped(canaries, which))
+                       preclipped=preclipped, device=planned)
+
+    def _next_planned(self, all_in: bool) -> PlannedStep:
+        """The next step's PlannedStep, the rest of its block planned at once when the plan does not hold it."""
+        upcoming = self.sampler.upcoming(all_in=all_in)
+        if not self._planned or self._planned[0].canaries.pool_index is not upcoming[0][0]:
+            self._planned = plan(self.probe, [self.sampler.canaries_of(entry) for entry in upcoming])
+        upcoming.pop(0)
+        return self._planned.pop(0)
 
     def read(self, planted: Planted, view: ReleaseView) -> Reading:
         canaries = planted.canaries
-        values = self.probe.project_on_device(view.centered, canaries)
+        values = self.probe.project_on_device(view.centered, canaries, planted.device)
         noise = sentinel_noise(view, self._sentinels_device if torch.is_tensor(view.centered) else self.sentinels, self.noise_std)
         return Reading(canaries.tensor, view.is_in, values, noise)
 
@@ -50,6 +66,7 @@ class GradientCanaries:
         self.probe.clip_bounds = np.array(mechanism.clip_bounds, dtype=float)
         self.layer_claims = layer_claims_of(mechanism)
         self.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
+        self._planned = []  # planned with the old bounds
 
     def state_dict(self) -> dict:
         return GRADIENT_STATE.dump({"sampler": self.sampler.state_dict(), "pool": [p.cpu().numpy() for p in self.probe.pool_local]})
@@ -57,6 +74,7 @@ class GradientCanaries:
     def load_state_dict(self, state: dict) -> None:
         """A state GRADIENT_STATE.check passed (engine/state.py)."""
         self.sampler.load_state_dict(state["sampler"])
+        self._planned = []
         if "pool" in state:
             self.probe.set_pool(state["pool"])
 

@@ -1,0 +1,76 @@
+"""A block of steps' gradient canaries, made ready for the device in one pass.
+
+The sampler draws BLOCK steps at a time (kinds/canaries.py). For every step of a block at once this computes
+what the step needs on the parameters' device, so that a step takes its part (views) instead of building it:
+
+    K_i      the step's in-canaries as a correct clipping leaves them, per tensor with its columns
+             (probe.preclipped: K_r = row_r * min(1, C_l / (||row_r|| + 1e-6)), row_r = scale * C_l * w_r)
+    K_i@pool K_i scattered over the pool positions (float64), what the release is centred by
+    index_i  the canaries' pool positions, and w_r / C_l, with which an observation <w_r, R - S> / C_l is read
+
+The arithmetic is the per-step computation's, elementwise over the block in float64, so every value equals it
+bit for bit. A plan holds for the clipping bounds it was made with: a new claim (set_claim) makes a new one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from .canaries import StepCanaries
+from ..probe import CanarySum, GradientProbe
+
+
+@dataclass
+class PlannedStep:
+    """One step of a plan: its canaries, K of its in-canaries (None: the layout needs the per-step way), and the
+    device tensors its observations are read with."""
+
+    canaries: StepCanaries
+    preclipped: Optional[CanarySum]
+    index: Optional[torch.Tensor] = None  # (k, support) pool positions
+    scaled: Optional[torch.Tensor] = None  # (k, support) w / C_l, float64
+
+    def preclipped_for(self, which: np.ndarray) -> Optional[CanarySum]:
+        """The planned K when `which` selects the in-canaries it was planned for, else None."""
+        if self.preclipped is None or not np.array_equal(which, self.canaries.is_in):
+            return None
+        return self.preclipped
+
+
+def plan(probe: GradientProbe, steps: List[StepCanaries]) -> List[PlannedStep]:
+    """PlannedSteps of `steps` (consecutive steps of one block, sharing one layout sorted by tensor)."""
+    layout = steps[0].tensor
+    if any(c.tensor is not layout and not np.array_equal(c.tensor, layout) for c in steps) or np.any(np.diff(layout) < 0):
+        return [PlannedStep(c, None) for c in steps]
+    n, support = len(steps), steps[0].coords.shape[1]
+    p0 = probe.params[0]
+    device, dtype = p0.device, p0.dtype
+    weights = np.stack([c.weights for c in steps])  # (n, k, support)
+    is_in = np.stack([c.is_in for c in steps])  # (n, k)
+    positions = np.stack([c.pool_index for c in steps])
+    bounds = probe.clip_bounds[layout]
+    rows = weights * (probe.scale * bounds)[None, :, None]
+    factor = np.minimum(1.0, bounds[None, :] / (np.linalg.norm(rows, axis=2) + 1e-6))
+    values = torch.as_tensor((rows * factor[:, :, None])[is_in].ravel(), dtype=dtype, device=device)
+    columns = torch.as_tensor(np.stack([c.coords for c in steps])[is_in].ravel(), device=device)
+    chosen = is_in.sum(axis=1) * support  # values per step
+    ends = np.cumsum(chosen)
+    at_pool = torch.zeros((n, len(probe.pool)), dtype=torch.float64, device=device)
+    at_pool[torch.as_tensor(np.repeat(np.arange(n), chosen), device=device),
+            torch.as_tensor(positions[is_in].ravel(), device=device)] = values.double()
+    index = torch.as_tensor(positions, device=device)
+    scaled = torch.as_tensor(weights / bounds[None, :, None], device=device)
+    tensors = len(probe.params)
+    planned = []
+    for i, c in enumerate(steps):
+        a, b = int(ends[i] - chosen[i]), int(ends[i])
+        counts = (np.bincount(layout[c.is_in], minlength=tensors) * support).tolist()
+        added = CanarySum(list(torch.split(values[a:b], counts)), torch.split(columns[a:b], counts),
+                          c.pool_index[c.is_in].ravel())
+        added.at_pool = at_pool[i]
+        planned.append(PlannedStep(c, added, index[i], scaled[i]))
+    return planned
