@@ -48,6 +48,7 @@ class CanarySum:
         self.columns = list(columns)
         self.pool_positions = pool_positions  # compressed: the pool position of every column, in order
         self.at_pool: Optional[torch.Tensor] = None  # K at the pool (float64), where it was computed in advance
+        self.negated: Optional[List[torch.Tensor]] = None  # -K per tensor, where it was computed in advance
         self._saved: list = []
 
     @property
@@ -63,9 +64,8 @@ class CanarySum:
                 self._saved.append(s)
                 p.summed_grad = s + k.view_as(s)
             else:
-                flat = s.view(-1)
-                self._saved.append(flat[cols])  # indexing by a tensor copies
-                flat.index_add_(0, cols, k.to(flat.dtype))
+                self._saved.append(s.take(cols))  # a copy, the flat tensor's values at the columns
+                s.put_(cols, k if k.dtype == s.dtype else k.to(s.dtype), accumulate=True)
                 if hasattr(s, "_processed"):  # a second privatization of the same sum (paired mode)
                     del s._processed
 
@@ -75,16 +75,18 @@ class CanarySum:
             if cols is None:
                 p.summed_grad = saved
             else:
-                p.summed_grad.view(-1)[cols] = saved
+                p.summed_grad.put_(cols, saved)
         self._saved = []
 
     def remove_from(self, tensors) -> None:
         """tensor -= K for each released gradient: the update becomes the un-audited one."""
-        for t, k, cols in zip(tensors, self.values, self.columns):
+        negated = self.negated if self.negated is not None else [None if c is None else -k for k, c in
+                                                                 zip(self.values, self.columns)]
+        for t, k, minus_k, cols in zip(tensors, self.values, negated, self.columns):
             if cols is None:
                 t.sub_(k.view_as(t))
             else:
-                t.view(-1).index_add_(0, cols, k.to(t.dtype), alpha=-1)
+                t.put_(cols, minus_k if minus_k.dtype == t.dtype else minus_k.to(t.dtype), accumulate=True)
 
 
 class GradientProbe:
@@ -227,7 +229,15 @@ class GradientProbe:
 
     def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Values of per-parameter tensors at the pool coordinates, float64 on their device (gathered per tensor)."""
-        return torch.cat([t.detach().reshape(-1)[idx] for t, idx in zip(tensors, self.pool_local)]).double()
+        return torch.cat([t.detach().take(idx) for t, idx in zip(tensors, self.pool_local)]).double()
+
+    def difference(self, tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> torch.Tensor:
+        """gather(tensors) - gather(others), in one gather of both."""
+        with torch.no_grad():
+            both = torch.cat([t.take(idx) for t, idx in zip(tensors, self.pool_local)] +
+                             [t.take(idx) for t, idx in zip(others, self.pool_local)]).double()
+        n = len(self.pool)
+        return both[:n] - both[n:]
 
     def at_pool(self, tensors: Sequence[torch.Tensor]) -> np.ndarray:
         """`gather` on the host, as a numpy float64 array."""

@@ -5,7 +5,7 @@ what the step needs on the parameters' device, so that a step takes its part (vi
 
     K_i      the step's in-canaries as a correct clipping leaves them, per tensor with its columns
              (probe.preclipped: K_r = row_r * min(1, C_l / (||row_r|| + 1e-6)), row_r = scale * C_l * w_r)
-    K_i@pool K_i scattered over the pool positions (float64), what the release is centred by
+    K_i@pool K_i scattered over the pool positions (float64), what the release is centred by; and -K_i
     index_i  the canaries' pool positions, and w_r / C_l, with which an observation <w_r, R - S> / C_l is read
 
 The arithmetic is the per-step computation's, elementwise over the block in float64, so every value equals it
@@ -57,6 +57,7 @@ def plan(probe: GradientProbe, steps: List[StepCanaries]) -> List[PlannedStep]:
     factor = np.minimum(1.0, bounds[None, :] / (np.linalg.norm(rows, axis=2) + 1e-6))
     values = torch.as_tensor((rows * factor[:, :, None])[is_in].ravel(), dtype=dtype, device=device)
     columns = torch.as_tensor(np.stack([c.coords for c in steps])[is_in].ravel(), device=device)
+    negated = -values
     chosen = is_in.sum(axis=1) * support  # values per step
     ends = np.cumsum(chosen)
     at_pool = torch.zeros((n, len(probe.pool)), dtype=torch.float64, device=device)
@@ -71,6 +72,6 @@ def plan(probe: GradientProbe, steps: List[StepCanaries]) -> List[PlannedStep]:
         counts = (np.bincount(layout[c.is_in], minlength=tensors) * support).tolist()
         added = CanarySum(list(torch.split(values[a:b], counts)), torch.split(columns[a:b], counts),
                           c.pool_index[c.is_in].ravel())
-        added.at_pool = at_pool[i]
+        added.at_pool, added.negated = at_pool[i], list(torch.split(negated[a:b], counts))
         planned.append(PlannedStep(c, added, index[i], scaled[i]))
     return planned

@@ -84,7 +84,7 @@ class PerSampleRelease(LocalChecks):
     def view(self, data, added, is_in, *, own: bool) -> ReleaseView:
         """The release now in p.grad, centred on the data's sum, gathered at the pool on the device."""
         released = [p.grad for p in self.probe.params]
-        centered = self.probe.gather(released) - self.probe.gather(data)
+        centered = self.probe.difference(released, data)
         at_pool = None if added is None else self.probe.gather_sum(added)
         return ReleaseView(released, data, centered, at_pool, is_in, own, canary_sum=added)
 
