@@ -58,20 +58,21 @@ def plan(probe: GradientProbe, steps: List[StepCanaries]) -> List[PlannedStep]:
     values = torch.as_tensor((rows * factor[:, :, None])[is_in].ravel(), dtype=dtype, device=device)
     columns = torch.as_tensor(np.stack([c.coords for c in steps])[is_in].ravel(), device=device)
     negated = -values
-    chosen = is_in.sum(axis=1) * support  # values per step
-    ends = np.cumsum(chosen)
+    tensors = len(probe.params)
+    counts = is_in.astype(np.int64) @ (layout[:, None] == np.arange(tensors)) * support  # (n, tensors) values
+    chosen = counts.sum(axis=1)  # values per step
     at_pool = torch.zeros((n, len(probe.pool)), dtype=torch.float64, device=device)
     at_pool[torch.as_tensor(np.repeat(np.arange(n), chosen), device=device),
             torch.as_tensor(positions[is_in].ravel(), device=device)] = values.double()
-    index = torch.as_tensor(positions, device=device)
-    scaled = torch.as_tensor(weights / bounds[None, :, None], device=device)
-    tensors = len(probe.params)
+    flat_counts = counts.ravel().tolist()  # every step's tensors in turn: one split serves the block
+    parts = [torch.split(t, flat_counts) for t in (values, columns, negated)]
+    step_positions = np.split(positions[is_in].ravel(), np.cumsum(chosen)[:-1])
+    index = torch.as_tensor(positions, device=device).unbind()
+    scaled = torch.as_tensor(weights / bounds[None, :, None], device=device).unbind()
     planned = []
-    for i, c in enumerate(steps):
-        a, b = int(ends[i] - chosen[i]), int(ends[i])
-        counts = (np.bincount(layout[c.is_in], minlength=tensors) * support).tolist()
-        added = CanarySum(list(torch.split(values[a:b], counts)), torch.split(columns[a:b], counts),
-                          c.pool_index[c.is_in].ravel())
-        added.at_pool, added.negated = at_pool[i], list(torch.split(negated[a:b], counts))
+    for i, (c, at) in enumerate(zip(steps, at_pool.unbind())):
+        own = slice(i * tensors, (i + 1) * tensors)
+        added = CanarySum(list(parts[0][own]), parts[1][own], step_positions[i])
+        added.at_pool, added.negated = at, list(parts[2][own])
         planned.append(PlannedStep(c, added, index[i], scaled[i]))
     return planned
