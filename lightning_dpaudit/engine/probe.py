@@ -47,7 +47,7 @@ class CanarySum:
         self.values = values
         self.columns = list(columns)
         self.pool_positions = pool_positions  # compressed: the pool position of every column, in order
-        self.at_pool: Optional[torch.Tensor] = None  # K at the pool (float64), where it was computed in advance
+        self.at_sentinels: Optional[torch.Tensor] = None  # K at the sentinels (float64), where computed in advance
         self.negated: Optional[List[torch.Tensor]] = None  # -K per tensor, where it was computed in advance
         self._saved: list = []
 
@@ -245,8 +245,6 @@ class GradientProbe:
 
     def gather_sum(self, added: CanarySum) -> torch.Tensor:
         """K at the pool coordinates, float64 on the parameters' device."""
-        if added.at_pool is not None:
-            return added.at_pool
         if added.dense:
             return self.gather(added.values)
         out = torch.zeros(len(self.pool), dtype=torch.float64, device=self.pool.device)

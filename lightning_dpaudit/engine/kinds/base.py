@@ -46,7 +46,8 @@ class ReleaseView:
 
     released / data   R and S per tensor (None where the path reads at the pool only)
     centered          R - S at the pool coordinates (float64)
-    added             K, the canaries' clipped sum, at the pool coordinates (None: no canaries)
+    added             K, the canaries' clipped sum, at the pool coordinates (None: no canaries, or K known at
+                      the sentinels only, as canary_sum.at_sentinels)
     canary_sum        K per tensor (a probe.CanarySum; None: no canaries, or not kept by the path)
     is_in             (k,) the canaries this release carries
     own               True for the optimizer's own release (its noise is fingerprinted)
@@ -95,6 +96,9 @@ def sentinel_noise(view: ReleaseView, sentinels, noise_std: float) -> Optional[A
     """R - S - K at the sentinels, in units of sigma*C, for the optimizer's own release (else None)."""
     if sentinels is None or not view.own:
         return None
+    at_sentinels = getattr(view.canary_sum, "at_sentinels", None)  # K there, computed in advance
+    if at_sentinels is not None:
+        return (view.centered[sentinels] - at_sentinels) / noise_std
     noise = view.centered if view.added is None else view.centered - view.added
     return noise[sentinels] / noise_std
 

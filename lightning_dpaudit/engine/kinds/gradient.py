@@ -48,7 +48,7 @@ class GradientCanaries:
         """The next step's PlannedStep, the rest of its block planned at once when the plan does not hold it."""
         upcoming = self.sampler.upcoming(all_in=all_in)
         if not self._planned or self._planned[0].canaries.pool_index is not upcoming[0][0]:
-            self._planned = plan(self.probe, [self.sampler.canaries_of(entry) for entry in upcoming])
+            self._planned = plan(self.probe, [self.sampler.canaries_of(entry) for entry in upcoming], self.sentinels)
         upcoming.pop(0)
         return self._planned.pop(0)
 

@@ -85,7 +85,7 @@ class PerSampleRelease(LocalChecks):
         """The release now in p.grad, centred on the data's sum, gathered at the pool on the device."""
         released = [p.grad for p in self.probe.params]
         centered = self.probe.difference(released, data)
-        at_pool = None if added is None else self.probe.gather_sum(added)
+        at_pool = None if added is None or added.at_sentinels is not None else self.probe.gather_sum(added)
         return ReleaseView(released, data, centered, at_pool, is_in, own, canary_sum=added)
 
     def release_with(self, planted: Planted, which: np.ndarray, step: int) -> CanarySum:
