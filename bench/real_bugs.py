@@ -66,7 +66,7 @@ def run(bug: str, C: float, steps: int, patched: bool, ghost_mode: bool):
         y = (x[:, 0] % 3 + (torch.rand(512, generator=g) < 0.2).long()) % 3
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
         kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), data_loader=loader,
-                      noise_multiplier=1.0, max_grad_norm=C, poisson_sampling=False,
+                      noise_multiplier=1.0, max_grad_norm=C, poisson_sampling=True,
                       noise_generator=torch.Generator().manual_seed(1))
         engine = PrivacyEngine(accountant="gdp" if bug == "opacus-541" else "prv")
         adaptive = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0,

@@ -267,11 +267,12 @@ def test_a_physical_batch_counted_twice_is_named():
     assert auditor.result().violation
 
 
-def test_an_accountant_that_forgets_steps_is_named():
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_an_accountant_that_forgets_steps_is_named(mode):
     from lightning_dpaudit.integrations.opacus_history import historical_bug
 
     with historical_bug("opacus-541").patch():
-        module, optimizer, criterion, loader = setup("hooks")
+        module, optimizer, criterion, loader = setup(mode)
         from opacus.accountants import GaussianAccountant
 
         accountant = GaussianAccountant()

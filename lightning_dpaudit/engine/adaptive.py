@@ -221,9 +221,7 @@ class AdaptiveClaims(StepClaims):
         return (self.noise.claimed(noise), bounds), noise
 
     def before_step(self, step: int):
-        if self._stepped:
-            self._check_accountant(step)
-        self._stepped = True
+        self._follow_accountant(step)
         now, self._step = self._claim()
         if now != self._read:
             sigma, bounds = now

@@ -46,12 +46,7 @@ class StepClaims:
 
     def before_step(self, step: int) -> Mechanism:
         """The mechanism this step claims; calls on_change first when it differs from the last step's."""
-        if self._stepped:
-            self._check_history(step)
-            self._check_accountant(step)
-        elif self.accountant is not None:
-            self._baseline = composed_steps(self.accountant) - step
-        self._stepped = True
+        self._follow_accountant(step)
         now = claim_of(self.optimizer)
         if now != self._read:
             check_claim(self.optimizer)
@@ -63,6 +58,16 @@ class StepClaims:
             self._read = now
             self.on_change(self.mechanism)
         return self.mechanism
+
+    def _follow_accountant(self, step: int) -> None:
+        """Before each step: the previous step composed, with its noise (after the first step; at the first, the
+        composed steps the audit starts from)."""
+        if self._stepped:
+            self._check_history(step)
+            self._check_accountant(step)
+        elif self.accountant is not None:
+            self._baseline = composed_steps(self.accountant) - step
+        self._stepped = True
 
     def resync(self, steps: int) -> None:
         """Opacus's step raised after its release (opacus_step.py): it may be composed or not, so the steps after it
