@@ -227,16 +227,15 @@ class GradientProbe:
 
     # ------------------------------------------------------------------ reading
 
-    def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Values of per-parameter tensors at the pool coordinates, float64 on their device (gathered per tensor)."""
-        return torch.cat([t.detach().take(idx) for t, idx in zip(tensors, self.pool_local)]).double()
+    def gather(self, *tensor_lists: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Values of per-parameter tensors at the pool coordinates, float64 on their device (gathered per tensor;
+        several lists of them: one after the other)."""
+        with torch.no_grad():
+            return torch.cat([t.take(idx) for tensors in tensor_lists for t, idx in zip(tensors, self.pool_local)]).double()
 
     def difference(self, tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> torch.Tensor:
         """gather(tensors) - gather(others), in one gather of both."""
-        with torch.no_grad():
-            both = torch.cat([t.take(idx) for t, idx in zip(tensors, self.pool_local)] +
-                             [t.take(idx) for t, idx in zip(others, self.pool_local)]).double()
-        n = len(self.pool)
+        both, n = self.gather(tensors, others), len(self.pool)
         return both[:n] - both[n:]
 
     def at_pool(self, tensors: Sequence[torch.Tensor]) -> np.ndarray:
