@@ -36,6 +36,14 @@ class CompressedRowsFallbackWarning(UserWarning):
     """The optimizer's clipping needs parameter-shaped canary rows."""
 
 
+def correctly_clipped(weights: np.ndarray, bounds: np.ndarray, scale: float) -> np.ndarray:
+    """Canary rows as a correct clipping leaves them (float64; weights (..., support), bounds their tensors' C_l):
+
+        row * min(1, C_l / (||row|| + 1e-6)),   row = scale * C_l * w   (Opacus's clip factor)"""
+    rows = weights * (scale * bounds)[..., None]
+    return rows * np.minimum(1.0, bounds / (np.linalg.norm(rows, axis=-1) + 1e-6))[..., None]
+
+
 class CanarySum:
     """K: what the optimizer's clipping made of this step's in-canary rows, per tensor.
 
@@ -145,11 +153,9 @@ class GradientProbe:
         tensor = canaries.tensor[chosen]
         order = np.argsort(tensor, kind="stable")
         chosen, tensor = chosen[order], tensor[order]
-        bounds = self.clip_bounds[tensor]
-        rows = canaries.weights[chosen] * (self.scale * bounds)[:, None]
-        factor = np.minimum(1.0, bounds / (np.linalg.norm(rows, axis=1) + 1e-6))
         p0 = self.params[0]
-        values = torch.as_tensor((rows * factor[:, None]).ravel(), dtype=p0.dtype, device=p0.device)
+        clipped = correctly_clipped(canaries.weights[chosen], self.clip_bounds[tensor], self.scale)
+        values = torch.as_tensor(clipped.ravel(), dtype=p0.dtype, device=p0.device)
         counts = (np.bincount(tensor, minlength=len(self.params)) * canaries.coords.shape[1]).tolist()
         columns = torch.split(torch.as_tensor(canaries.coords[chosen].ravel(), device=p0.device), counts)
         return CanarySum(list(torch.split(values, counts)), columns, canaries.pool_index[chosen].ravel())

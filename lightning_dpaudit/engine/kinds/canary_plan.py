@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .canaries import StepCanaries
-from ..probe import CanarySum, GradientProbe
+from ..probe import CanarySum, GradientProbe, correctly_clipped
 
 
 @dataclass
@@ -54,14 +54,13 @@ def plan(probe: GradientProbe, steps: List[StepCanaries], sentinels: Optional[np
     is_in = np.stack([c.is_in for c in steps])  # (n, k)
     positions = np.stack([c.pool_index for c in steps])
     bounds = probe.clip_bounds[layout]
-    rows = weights * (probe.scale * bounds)[None, :, None]
-    factor = np.minimum(1.0, bounds[None, :] / (np.linalg.norm(rows, axis=2) + 1e-6))
     chosen_rows = np.flatnonzero(is_in)  # the in-canaries, step by step, as rows of (n * k, support) arrays
 
     def of_chosen(array):
         return array.reshape(-1, support)[chosen_rows].ravel()
 
-    values = torch.as_tensor(of_chosen(rows * factor[:, :, None]), dtype=dtype, device=device)
+    clipped = correctly_clipped(weights, np.broadcast_to(bounds, is_in.shape), probe.scale)
+    values = torch.as_tensor(of_chosen(clipped), dtype=dtype, device=device)
     columns = torch.as_tensor(of_chosen(np.stack([c.coords for c in steps])), device=device)
     negated = -values
     tensors = len(probe.params)
