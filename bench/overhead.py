@@ -24,9 +24,19 @@ the run checks, the exact checks), in ms per step: a regression shows where.
 
 With an input canary kind both runs train on the digits less the 256 held out for the
 canaries, and the time of building and re-crafting canaries is included.
+
+Every timed run starts from the same state of Python's garbage collector: a full collection
+just before it (`--no-settle` leaves that out). The collector runs a full pass once the
+objects moved into its oldest generation since the last pass exceed a quarter of those
+already there; each run moves some there (a batch in flight at a young collection), so
+without the settling pass a run pays for the full pass its predecessors made due. With
+plain and audited runs alternating, that pass (about 150 ms in this process) fell in the
+audited runs at batch 512 and added about 0.75 ms to their steps. The table says how many
+full passes fell inside each configuration's timed runs.
 """
 
 import argparse
+import gc
 import time
 import warnings
 
@@ -40,6 +50,13 @@ from lightning_dpaudit.testing import HOLDOUT
 
 
 SPENT = {"seconds": 0.0, "run checks": 0.0}  # time inside the exact checks (check and ledger) and the run checks' steps
+FULL_PASSES = {"timing": False, "count": 0}  # the collector's full passes inside the timed run under way
+
+
+def count_full_passes(phase: str, info: dict) -> None:
+    """gc callback: counts the collector's full (oldest-generation) passes while a timed run is under way."""
+    if FULL_PASSES["timing"] and phase == "start" and info["generation"] == 2:
+        FULL_PASSES["count"] += 1
 
 
 def clocked(function, key: str, spent: dict = SPENT):
@@ -91,7 +108,7 @@ def profiled(auditor) -> dict:
     return spent
 
 
-def timed_training(*, steps, batch_size, mode, canaries, canary="dirac", profile=None):
+def timed_training(*, steps, batch_size, mode, canaries, canary="dirac", profile=None, settle=True):
     holdout = HOLDOUT if canary in INPUT_KINDS else 0
     model, optimizer, loader, _ = make_private_digits(batch_size=batch_size, seed=0, holdout=holdout)
     if mode is not None:
@@ -107,9 +124,15 @@ def timed_training(*, steps, batch_size, mode, canaries, canary="dirac", profile
         elif mode == "one-run" and "per_sample_check_every" not in extra:
             timed_checks(auditor)
         auditor.watch_loader(loader)
+    if settle:
+        gc.collect()  # the same collector state for every run: no full pass the runs before made due
+    FULL_PASSES["timing"] = True
     start = time.perf_counter()
-    train_steps(model, optimizer, loader, steps)
-    return time.perf_counter() - start
+    try:
+        train_steps(model, optimizer, loader, steps)
+        return time.perf_counter() - start
+    finally:
+        FULL_PASSES["timing"] = False
 
 
 def main():
@@ -121,6 +144,8 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["one-run", "paired"])
     parser.add_argument("--canary", default="dirac", help="canary kind (gradient or input)")
     parser.add_argument("--profile", action="store_true", help="then one audited run (the first mode) with its parts clocked")
+    parser.add_argument("--no-settle", action="store_true",
+                        help="no full garbage collection before each timed run (each run then inherits the others' garbage)")
     args = parser.parse_args()
     args.canaries = args.canaries if args.canaries == "auto" else int(args.canaries)
     warnings.filterwarnings("ignore")
@@ -128,19 +153,24 @@ def main():
     timed_training(steps=20, batch_size=args.batch_size, mode="one-run", canaries=args.canaries, canary=args.canary)  # warm-up
     SPENT["seconds"] = SPENT["run checks"] = 0.0
     times = {None: [], **{m: [] for m in args.modes}}
+    passes = dict.fromkeys(times, 0)
+    gc.callbacks.append(count_full_passes)
     for _ in range(args.rounds):
         for mode in times:
-            times[mode].append(
-                timed_training(steps=args.steps, batch_size=args.batch_size, mode=mode, canaries=args.canaries, canary=args.canary)
-            )
+            FULL_PASSES["count"] = 0
+            times[mode].append(timed_training(steps=args.steps, batch_size=args.batch_size, mode=mode,
+                                              canaries=args.canaries, canary=args.canary, settle=not args.no_settle))
+            passes[mode] += FULL_PASSES["count"]
     base = np.median(times[None])
     print(f"canary={args.canary} steps={args.steps} rounds={args.rounds} batch={args.batch_size} canaries/step={args.canaries} threads=1")
-    print("| run | median seconds | ms/step | audit ms/step | ratio to no auditor |")
-    print("| --- | --- | --- | --- | --- |")
-    print(f"| no auditor | {base:.2f} | {1000 * base / args.steps:.2f} | | 1.00 |")
+    print("| run | median seconds | ms/step | audit ms/step | ratio to no auditor | full collections in its runs |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| no auditor | {base:.2f} | {1000 * base / args.steps:.2f} | | 1.00 | {passes[None]} |")
     for mode in args.modes:
         t = np.median(times[mode])
-        print(f"| {mode} | {t:.2f} | {1000 * t / args.steps:.2f} | {1000 * (t - base) / args.steps:.3f} | {t / base:.3f} |")
+        print(f"| {mode} | {t:.2f} | {1000 * t / args.steps:.2f} | {1000 * (t - base) / args.steps:.3f} | {t / base:.3f} "
+              f"| {passes[mode]} |")
+    print("(each timed run " + ("without" if args.no_settle else "after") + " a full garbage collection before it)")
     if "one-run" in args.modes:
         inside = SPENT["seconds"] / sum(times["one-run"])
         line = f"exact data-path checks (default interval): time inside them {inside:.2%} of the one-run timings"

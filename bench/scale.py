@@ -18,7 +18,8 @@ Peak memory: a fresh process per (model, configuration), `ru_maxrss` after 3
 warm-up steps and `--steps` steps; "extra" is the audited peak less the plain peak. Time: a
 fresh process per (model, audited configuration) holding a plain and an audited model
 built from the same seed, alternating `--steps` steps of each for `--rounds` rounds;
-the ratio is of the medians, and plain's ms/step is the median over all its rounds.
+the ratio is of the medians, and plain's ms/step is the median over all its rounds. Each
+timed run follows a full garbage collection, so that none pays for the others' garbage.
 Each measuring process may use at most `--max-gb` of address space; a cell that needs
 more fails on its own (shown as "-", with the error) instead of starving the machine.
 
@@ -28,6 +29,7 @@ more fails on its own (shown as "-", with the error) instead of starving the mac
 """
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -118,6 +120,7 @@ def build_transformer(size, config, canaries, mode):
 def train(run, steps):
     """Seconds for `steps` optimizer steps, cycling over the fixed batches."""
     model, optimizer, batches, loss = run
+    gc.collect()  # every timed run from the same collector state (bench/overhead.py says why)
     start = time.perf_counter()
     for i in range(steps):
         optimizer.zero_grad()
