@@ -31,8 +31,9 @@ objects moved into its oldest generation since the last pass exceed a quarter of
 already there; each run moves some there (a batch in flight at a young collection), so
 without the settling pass a run pays for the full pass its predecessors made due. With
 plain and audited runs alternating, that pass (about 150 ms in this process) fell in the
-audited runs at batch 512 and added about 0.75 ms to their steps. The table says how many
-full passes fell inside each configuration's timed runs.
+audited runs at batch 512 in some processes, about 0.75 ms on each of their steps; in others
+the plain runs page-faulted memory the audited runs before them had given back. The table
+says how many full passes fell inside each configuration's timed runs.
 """
 
 import argparse
