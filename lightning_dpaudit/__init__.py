@@ -38,6 +38,10 @@ _LAZY = {
     "PrivacyAuditor": "engine.auditor",
     "DPAuditCallback": "integrations.callback",
     "InputCanaries": "engine.kinds.input_canaries",  # canary= for input canaries, in full
+    # checks: the defaults, and the interface of your own
+    "Check": "engine.checks.base",
+    "default_checks": "engine.checks.defaults",
+    "CheckStoppedWarning": "engine.checks.runner",
     # results
     "AuditResult": "analysis.results",
     "LayerAudit": "analysis.results",
@@ -72,6 +76,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .analysis.final_model import FinalModelResult
     from .analysis.results import AuditResult, Finding, LayerAudit
     from .engine.auditor import PrivacyAuditor, PrivacyViolationWarning
+    from .engine.checks.base import Check
+    from .engine.checks.defaults import default_checks
+    from .engine.checks.runner import CheckStoppedWarning
     from .engine.final_model import FinalModelCanaries
     from .engine.kinds.input_canaries import InputCanaries
     from .engine.pipeline import AuditFailedWarning

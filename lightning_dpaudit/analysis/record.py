@@ -91,6 +91,7 @@ class AuditRecord:
         self.problems: List[Finding] = []
         self.alerted = False  # the alarm was given
         self.failed: Optional[str] = None  # the first error of the audit's own code, when there was one
+        self.scopes: dict = {}  # finding code -> the scope its check declares (declare)
 
     def add(self, readings: Sequence[StepReading], kind: str) -> None:
         """Log, count and fingerprint the readings of consecutive steps (in step order)."""
@@ -123,10 +124,14 @@ class AuditRecord:
         alarm=False: a fault that costs no privacy (reported among the findings, no violation)."""
         if not message or any(code == known.code for known in self.problems):
             return False
-        self.problems.append(Finding(code, message, first_step=int(step)))
+        self.problems.append(Finding(code, message, first_step=int(step), scope=self.scopes.get(code, "")))
         if alarm:
             self.monitor.flag(SETUP, int(step))
         return True
+
+    def declare(self, scopes: dict) -> None:
+        """The scope of each finding code the audit's checks may report (code -> "mechanism", "data path", "pipeline")."""
+        self.scopes.update(scopes)
 
     def open_claim(self, layer_claims: dict, pooled_claim: float) -> int:
         """The claim segment of the steps from now on (claim_segments.py)."""
@@ -164,4 +169,5 @@ class AuditRecord:
                 part.load_state_dict(state[field])
             except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
                 raise ValueError(f"`{field}`: {type(error).__name__}: {error}") from error
-        self.problems = [Finding(str(c), str(m), first_step=int(s)) for c, m, s in state.get("problems", [])]
+        self.problems = [Finding(str(c), str(m), first_step=int(s), scope=self.scopes.get(str(c), ""))
+                         for c, m, s in state.get("problems", [])]

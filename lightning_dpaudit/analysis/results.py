@@ -40,6 +40,8 @@ class Finding:
               in units of the claimed sigma * C, for clipping the in-canaries' shift in
               units of C, for noise_repeats the repeating steps, ...)
     claimed   what a correct implementation gives for `measured`
+    scope     what the check that reported it covers, as the check declares it: "mechanism", "data path"
+              or "pipeline" (the accountant's epsilon does not describe the run); "" for the canaries' own
     """
 
     code: str
@@ -48,6 +50,7 @@ class Finding:
     layers: Tuple[str, ...] = ()
     measured: float = math.nan
     claimed: float = math.nan
+    scope: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class AuditResult:
                           on the dataset's size); not a violation
     pipeline              what the run checks compared (sampling, rows per record, independence of
                           examples, tensors outside the DP optimizer), or why they could not
+    checks_stopped        (name, "stopped at step N: <error>") of each check that raised and was stopped
+                          alone: what it would have verified after that step went unchecked
     epsilon_sampling      epsilon at `delta` under the sampling the run used, where it is not the
                           accountant's and a valid bound exists (shuffled fixed-size batches: one
                           Gaussian step per record an epoch); inf where no bound follows from the
@@ -115,6 +120,7 @@ class AuditResult:
     notes: Tuple[str, ...] = ()
     pipeline: str = ""
     epsilon_sampling: float = math.nan
+    checks_stopped: Tuple[Tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,8 +142,8 @@ DOES_NOT_DESCRIBE = "the accountant's epsilon does not describe this run"
 
 def pipeline_codes(findings) -> list:
     """The codes of the run's pipeline findings, in order, once each (findings as records or dicts)."""
-    codes = [f.get("code") if isinstance(f, dict) else f.code for f in findings or ()]
-    return list(dict.fromkeys(c for c in codes if c in PIPELINE_CODES))
+    found = [(f.get("code"), f.get("scope")) if isinstance(f, dict) else (f.code, f.scope) for f in findings or ()]
+    return list(dict.fromkeys(c for c, scope in found if c in PIPELINE_CODES or scope == "pipeline"))
 
 
 def violation_message(r: AuditResult) -> str:
@@ -170,7 +176,8 @@ def _violation_line(r: AuditResult) -> str:
     else:
         crossed = f"the noise of step {repeat[0]} repeats step {repeat[1]}'s"
         repeat = None  # said already
-    first = next((f for f in r.findings if f.code in PIPELINE_CODES), r.findings[0] if r.findings else None)
+    first = next((f for f in r.findings if f.code in PIPELINE_CODES or f.scope == "pipeline"),
+                 r.findings[0] if r.findings else None)
     cause = f"{first.code}: {first.message.rstrip('.')}" if first is not None else crossed
     numbers = []
     if math.isfinite(r.epsilon_accountant):

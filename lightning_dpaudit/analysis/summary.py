@@ -29,6 +29,9 @@ def summary_table(report: dict) -> str:
             verdict += f" before step {diverged.get('first_step')}, where training diverged (nothing after is audited)"
         if str(r.get("data_path") or "").startswith("nothing compared"):  # say what the OK rests on
             verdict += "; the exact checks compared nothing (see below)"
+    stopped = [f"{name} ({why})" for name, why in r.get("checks_stopped") or []]
+    if stopped:  # what the verdict does not rest on
+        verdict += f"; check(s) stopped: {', '.join(stopped)}"
     conf = _num(r.get("confidence"))
     rows = [
         ("", "lower bound", "claimed"),

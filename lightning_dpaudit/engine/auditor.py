@@ -19,6 +19,7 @@ recorded (analysis/record.py), results (analysis/assemble.py) and saved state (s
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -30,6 +31,9 @@ from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
 from .accumulation_check import AccumulationLedger
+from .checks import DATA_PATH, PIPELINE, CheckRunner, RunView
+from .checks.defaults import default_checks
+from .checks.runner import check_checks
 from .adaptive import mechanism_of, step_claims
 from .claim_range import check_claim
 from .claims import normalisation_problem
@@ -45,7 +49,9 @@ from .options import (
 from .paths import PathSettings, release_path_for
 from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
 from .pipeline import StepPipeline
-from .run_checks import RunChecks, check_run_options
+from .run_checks import SamplingCheck, check_run_options, refuse_unwatchable
+from .run_checks.multiplicity import clipped_rows
+from .run_checks.watched_loader import WatchedLoader
 from .state import AuditStateError, check_state, composed_steps, dump_state, setup_of
 from .user_warning import warn_at_user_code
 
@@ -91,6 +97,8 @@ class PrivacyAuditor:
     The run beyond the optimizer (run_checks/): data_loader, the loader the loop iterates (`watch_loader`
     for one made later); training_loss(batch), the step's loss, replayed by the independence check;
     other_optimizers, the run's other optimizers (what they hold trains outside DP-SGD).
+    checks: the checks to run, replacing the defaults (`default_checks(...)`, built from the options above); add
+    your own as `checks=[*default_checks(), MyCheck()]` (checks/base.py: the interface).
     """
 
     def __init__(
@@ -102,7 +110,7 @@ class PrivacyAuditor:
         loss_fn: Optional[Callable] = None, recraft_every="auto", observe_steps: Optional[int] = None,
         observation_window: int = 65_536, checksum_every: int = 100, per_sample_check_every: int = DEFAULT_EVERY,
         per_sample_check_examples: int = DEFAULT_EXAMPLES, per_sample_check_budget: float = DEFAULT_BUDGET,
-        data_loader=None, training_loss: Optional[Callable] = None, other_optimizers=(),
+        data_loader=None, training_loss: Optional[Callable] = None, other_optimizers=(), checks=None,
     ):
         import opacus
 
@@ -125,6 +133,8 @@ class PrivacyAuditor:
             per_sample_check_budget=per_sample_check_budget,
         )
         check_run_options(data_loader=data_loader, training_loss=training_loss, other_optimizers=other_optimizers)
+        checks = default_checks() if checks is None else check_checks(checks)
+        exact = next((c for c in checks if isinstance(c, PerSampleCheck)), None)  # schedules the exact checks
         path_class.check_options(options)
         check_ghost_options(optimizer, options)
         if options.input:
@@ -152,7 +162,7 @@ class PrivacyAuditor:
             note_problem=lambda *a: self.pipeline.note_problem(*a), sentinels=self.kind.sentinels, noise_std=sigma * C,
             layer_names=self.layer_names, checksum_every=options.checksum_every,
             noise_seed=None if seed is None else int(np.random.default_rng([seed, 28]).integers(2**62)),
-            canary_clipping=lambda step: canary_clipping(self.per_sample_check, step),
+            canary_clipping=lambda step: canary_clipping(exact, step),
         ))
         check_every = options.check_every
         if check_every == "auto":
@@ -165,27 +175,32 @@ class PrivacyAuditor:
         )
         if self.probe.ghost is not None:  # ghost clipping's own coefficient check (ghost.py)
             self.probe.ghost.note_problem = lambda *a: self.pipeline.note_problem(*a[:2], self.pipeline.steps + 1, a[2])
-        self.run_checks = RunChecks.of(self, mechanism.params, module, other_optimizers, training_loss, seed)
-        self.per_sample_check = PerSampleCheck(
-            optimizer, mechanism.params, self.layer_names, self.kind.module_ref, lambda: self.pipeline.steps,
-            every=per_sample_check_every, examples=per_sample_check_examples,
-            budget=per_sample_check_budget, seed=seed,
-            ghost=is_ghost(optimizer), note_problem=lambda *a: self.pipeline.note_problem(*a),
-            ledger=AccumulationLedger(optimizer, self.probe, ghost=is_ghost(optimizer), per_layer=mechanism.per_layer,
-                                      path=self.path),
-            sharded=dist.is_sharded(optimizer),
-            on_accumulate=self.run_checks.accumulated, further=(self.run_checks.coupling,),
-            passes_on=lambda error: error is self.pipeline._passed,
+        pipeline, ghost = self.pipeline, is_ghost(optimizer)
+        self.run = RunView(
+            optimizer, list(mechanism.params), module, self.kind.module_ref, self.accountant, pipeline.note_problem,
+            steps=lambda: pipeline.steps, other_optimizers=list(other_optimizers), names=self.layer_names, seed=seed,
+            delta=options.delta, ghost=ghost, sharded=dist.is_sharded(optimizer), passes_on=pipeline.passes_on,
+            ledger=lambda: AccumulationLedger(optimizer, self.probe, ghost=ghost, per_layer=mechanism.per_layer,
+                                              path=self.path), training_loss=training_loss,
+            exact={"every": per_sample_check_every, "examples": per_sample_check_examples,
+                   "budget": per_sample_check_budget},
         )
+        self.checks = CheckRunner(checks, self.run, passes_on=pipeline.passes_on, rows=clipped_rows,
+                                  accumulate_method="accumulate" if ghost else "clip_and_accumulate")
+        self.exact_check = exact
+        self.record.declare({code: check.scope for check in checks for code in check.codes})
         self.path.verify_start(options.canaries_per_step, seed)
-        self.noised_step = NoisedStep(optimizer, self.pipeline, self.per_sample_check, self.run_checks, self.path)
+        self.noised_step = NoisedStep(optimizer, self.pipeline, exact, self.checks, self.path)
         self.path.attach(self.noised_step)
         self.opacus_step = OpacusStep(optimizer, steps=lambda: self.pipeline.steps, report=self.noised_step.opacus_error,
                                       raised_by_audit=lambda error: error is self.pipeline.raised)
         optimizer._dpaudit_auditor = self
         # what the claim does not cover, stated beside the result (not a leak beyond the claim's own terms)
         self.notes = [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
-        self.run_checks.attach(data_loader)
+        self.watched: Optional[WatchedLoader] = None
+        self.checks.attach()
+        if data_loader is not None:
+            self.watch_loader(data_loader)
         self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
 
     def detach(self) -> None:
@@ -194,8 +209,10 @@ class PrivacyAuditor:
             return
         self.path.detach()
         self.opacus_step.restore()
-        self.per_sample_check.close()
-        self.run_checks.close()
+        self.checks.close()
+        if self.watched is not None:
+            self.watched.restore()
+            self.watched = None
         del self.optimizer._dpaudit_auditor
 
     # ------------------------------------------------------------------ what the audit holds
@@ -256,7 +273,42 @@ class PrivacyAuditor:
 
     def watch_loader(self, loader) -> None:
         """Check the loader the loop iterates (under BatchMemoryManager, the one it yields) and each batch it delivers."""
-        self.run_checks.watch(loader)
+        refuse_unwatchable("loader", loader)
+        if self.watched is not None:
+            self.watched.restore()
+        self.checks.loader(loader)
+        self.watched = WatchedLoader(loader, self.checks.batch)
+
+    def loader(self, loader) -> None:
+        """The training loader, when it becomes known (the callback reads the Trainer's); its batches come by `batch`."""
+        self.checks.loader(loader)
+
+    def batch(self, batch, step_fn: Optional[Callable] = None) -> None:
+        """A batch the loader delivered for the coming step; `step_fn(batch)` replays its training step's loss."""
+        self.checks.batch(batch, step_fn)
+
+    def sampling_epsilon(self) -> float:
+        """Epsilon under the sampling the run used where a valid bound exists (run_checks/sampling.py); nan where it
+        is the accountant's own or no sampling check runs, inf where no valid bound follows from the noise."""
+        sampling = next((c for c in self.checks.checks if isinstance(c, SamplingCheck) and c.stopped is None), None)
+        try:
+            return math.nan if sampling is None else sampling.epsilon()
+        except Exception:  # an accountant that cannot compose a fresh history: no figure rather than a fault
+            return math.nan
+
+    @property
+    def failed(self) -> Optional[str]:
+        """The first error of the audit's own code, when one was recorded (None otherwise)."""
+        return self.record.failed
+
+    def note_failure(self, cause: str) -> None:
+        """Record an error of the audit's own code met outside the step (the first one is kept)."""
+        self.record.failed = self.record.failed or cause
+
+    def check(self) -> None:
+        """Record what is pending and alarm once if a violation is recorded and not yet alarmed (under several
+        processes every rank calls it at the same point)."""
+        self.pipeline.check()
 
     def check_sample_rate(self, batches_per_epoch: int) -> None:
         """Flag an accountant whose sample rate ignores the world size (distributed.sample_rate_problem)."""
@@ -302,10 +354,11 @@ class PrivacyAuditor:
         result = self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
         diverged = self.pipeline.diverged
         stopped = "" if diverged is None else f"; stopped: training diverged at step {diverged}"
-        return replace(result, audit_failed=self.record.failed,
-                       data_path=self.per_sample_check.status(self.steps) + stopped,
-                       pipeline=self.run_checks.status() + stopped, epsilon_sampling=self.run_checks.epsilon(),
-                       notes=tuple(f"{code}: {message}" for code, message in self.notes + self.run_checks.notes()))
+        notes = tuple(f"{code}: {message}" for code, message in self.notes + self.checks.notes())
+        data_path, pipeline = self.checks.status(DATA_PATH) or "off", self.checks.status(PIPELINE)
+        return replace(result, audit_failed=self.record.failed, data_path=data_path + stopped,
+                       pipeline=pipeline + stopped, epsilon_sampling=self.sampling_epsilon(),
+                       checks_stopped=self.checks.stopped_checks(), notes=notes)  # stopped last: asking may stop one
 
     def _evidence(self, anytime: dict):
         return self.results.evidence(self.record, self.layer_names, anytime)

@@ -2,7 +2,7 @@
 
 At each noised step: a clipping bound that cannot give noise is named first; at the exact checks' steps the
 training is tested for divergence (under FSDP every rank together); a diverged run takes the plain step; else the
-run checks' step, then the exact check around the audited step (pipeline.py). An error of the audit's own code
+checks' step hook, then their around_step wrappers around the audited step (checks/runner.py, pipeline.py). An error of the audit's own code
 before the audited step fails the audit as one inside it would (detached, the step released as without it); what
 the audited step raises is its own to pass on.
 """
@@ -16,9 +16,9 @@ from .pipeline import noise_cause
 def canary_clipping(check, step: int) -> str:
     """How the canaries are clipped at `step`, given the exact check `check`: through the optimizer's own clipping,
     compared with a correct clipping, at its steps ("compared"); as a correct clipping leaves them in between
-    ("correct"); where the exact checks are off or stopped, through the optimizer's clipping at every step
+    ("correct"); where the exact checks are off, stopped or not run, through the optimizer's clipping at every step
     ("optimizer": nothing else then verifies clipping)."""
-    if check.every == 0 or check.failed is not None:
+    if check is None or check.every == 0 or check.stopped is not None:
         return "optimizer"
     return "compared" if check.due(step) else "correct"
 
@@ -26,12 +26,13 @@ def canary_clipping(check, step: int) -> str:
 class NoisedStep:
     """Stands in for the optimizer's add_noise while attached (the release path calls it)."""
 
-    def __init__(self, optimizer, pipeline, per_sample_check, run_checks, path):
+    def __init__(self, optimizer, pipeline, exact, checks, path):
+        """`exact`: the exact check that schedules the replays (None when none runs); `checks`: the CheckRunner."""
         self.optimizer, self.pipeline, self.path = optimizer, pipeline, path
-        self.per_sample_check, self.run_checks = per_sample_check, run_checks
+        self.exact, self.checks = exact, checks
 
     def __call__(self) -> None:
-        pipeline, check, entered = self.pipeline, self.per_sample_check, False
+        pipeline, exact, entered = self.pipeline, self.exact, False
 
         def audited_step():
             nonlocal entered
@@ -43,15 +44,16 @@ class NoisedStep:
                 bound = self.optimizer.max_grad_norm  # named now, not taken for a divergence of the values it gives
                 raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {bound!r}; clipping needs a "
                                  "finite bound > 0")
-            if pipeline.diverged is None and not pipeline.failed and (check.due(pipeline.steps) or
-                                                                       check.meets_the_others(pipeline.steps)):
+            if pipeline.diverged is None and not pipeline.failed and exact is not None and (
+                    exact.due(pipeline.steps) or exact.meets_the_others(pipeline.steps)):
                 pipeline.diverged_by_now(agreed=True)  # under FSDP every rank at the cadence's steps
             if pipeline.diverged is not None:
-                check.close()
+                if exact is not None:
+                    exact.close()
                 audited_step()  # the plain step
                 return
-            self.run_checks.step()
-            check.around(pipeline.steps, audited_step)
+            self.checks.step(pipeline.steps + 1)
+            self.checks.around_step(pipeline.steps + 1, audited_step)
         except Exception as error:
             if entered or pipeline.failed or not self.path.local or error is pipeline._passed:
                 if not entered and error is not pipeline._passed:

@@ -39,11 +39,11 @@ import numpy as np
 import torch
 
 from .check_budget import CheckBudget
+from .checks.base import DATA_PATH, Check, RunView
 from .forward_replay import (
     EPS32, Call, buffer_values, captured, keep_output, own_gradients, precision, replay_forward, same_rows,
     set_buffers, sliced, smallest_module_holding, samples_set_aside,
 )
-from .instance_patch import InstancePatch
 from .sharded_replay import ShardedReplay, module_norms
 
 RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
@@ -54,52 +54,62 @@ DEFAULT_BUDGET = 0.015  # of the run's wall time; the data path's target is 2%
 CODE = "per_sample_gradients"
 
 
-class PerSampleCheck:
+class PerSampleCheck(Check):
     """Compares Opacus's per-sample gradients (or ghost norms) of real examples with plain autograd.
 
-    `module()` gives the GradSampleModule (found at the model's first forward pass);
-    `names` the tensors' names; `steps()` the auditor's step count; `note_problem(code,
-    message, step)` records a finding. `check(step)` runs at each noised step, before canaries.
+    `names` the tensors' names; the run view (attach) gives the GradSampleModule (found at the model's first forward
+    pass), the step count and the finding sink. Its own failure stops it alone (`stopped`); under FSDP it still
+    gathers where the other ranks do. It also schedules the exact checks' steps for the further replays that run
+    with it (`due`, `further`: run checks of coupling.py, which register at attach).
     """
 
-    def __init__(self, optimizer, params, names, module: Callable, steps: Callable[[], int], *, every: int,
-                 examples: int, seed: Optional[int], ghost: bool, note_problem: Callable, ledger=None,
-                 budget: float = DEFAULT_BUDGET,
-                 on_accumulate: Optional[Callable[[], None]] = None, further: tuple = (),
-                 passes_on: Callable[[BaseException], bool] = lambda error: False, sharded: bool = False):
-        self.optimizer, self.params, self.names = optimizer, list(params), names
-        self.ledger = ledger if every > 0 else None  # accumulation_check.AccumulationLedger, fed at checked steps
-        self.on_accumulate = on_accumulate  # told of every physical batch the optimizer accumulates (run_checks)
-        self.further = tuple(further)  # further replays at a checked step: .replay(step) -> whether they found the
+    name = "per-sample gradients"
+    scope = DATA_PATH
+    codes = (CODE, "clipped_sum")
+
+    def __init__(self, *, every: Optional[int] = None, examples: Optional[int] = None, budget: Optional[float] = None):
+        """`every`, `examples`, `budget`: as PrivacyAuditor's per_sample_check_* options (None: the auditor's)."""
+        self.further: list = []  # further replays at a checked step: .replay(step) -> whether they found the
         # examples coupled; .decline(reason) where nothing could be replayed at that step
-        self.passes_on = passes_on  # what the alarm raised through note_problem (the user's on_violation): not the check's
-        self.module, self.steps, self.note_problem = module, steps, note_problem
-        self.every, self.examples, self.ghost = every, examples, ghost
-        # the ledger's additions, the replay and the comparison count against it; under FSDP the ranks check together
-        self.budget = CheckBudget(1.0 if sharded else budget)
-        self.sharded = sharded
+        self.options = {"every": every, "examples": examples, "budget": budget}
+        self.every = every if every is not None else DEFAULT_EVERY
+        self.examples = examples if examples is not None else DEFAULT_EXAMPLES
+        self.share = budget if budget is not None else DEFAULT_BUDGET
+        self.ledger = None  # accumulation_check.AccumulationLedger, fed at checked steps
         self.replica: Optional[ShardedReplay] = None  # under FSDP: the model run from its gathered tensors
         self.decided = (-1, False)  # (step, whether it is checked): decided once, at its first question
-        self.rng = np.random.default_rng(None if seed is None else [seed, 27])
         self.target: Optional[torch.nn.Module] = None
         self.handles: list = []
         self.calls: List[Call] = []
-        self.replaying = False  # True while the check itself runs the model (nothing is captured then)
         self.checked = 0  # steps whose examples were compared
         self.eps = EPS32  # the unit roundoff of the lowest precision the last checked step computed in
         self.replays = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
         self.skipped: Optional[str] = None  # why the last due step could not be compared
-        self.failed: Optional[str] = None
-        self._wrapped = None
-        if self.ledger is not None or on_accumulate is not None:
-            self._wrap_accumulate()
+        self.stopped: Optional[str] = None  # "stopped at step N: <error>" once its own failure stopped it
 
-    def status(self, steps: int) -> str:
+    def attach(self, run: RunView) -> None:
+        super().attach(run)
+        self.module, self.steps = run.gradient_module, run.steps
+        self.optimizer, self.params, self.names = run.optimizer, list(run.params), run.names
+        self.ghost, self.sharded = run.ghost, run.sharded
+        for key, value in self.options.items():  # options left None: the auditor's, else the defaults
+            if value is None and run.exact.get(key) is not None:
+                setattr(self, {"every": "every", "examples": "examples", "budget": "share"}[key], run.exact[key])
+        # the ledger's additions, the replay and the comparison count against it; under FSDP the ranks check together
+        self.budget = CheckBudget(1.0 if self.sharded else self.share)
+        self.rng = np.random.default_rng(None if run.seed is None else [run.seed, 27])
+        self.ledger = run.ledger() if self.every > 0 else None
+
+    def note_problem(self, code: str, message: str, step: int) -> None:
+        self.run.report(code, message, step)
+
+    def status(self) -> str:
         """One line for the result: what was compared, or why nothing was."""
+        steps = self.run.steps()
         if self.every == 0:
             return "off"
-        if self.failed is not None:
-            return f"stopped: {self.failed}; compared before that: {self.checked} step(s)"
+        if self.stopped is not None:
+            return f"{self.stopped}; compared before that: {self.checked} step(s)"
         if self.checked == 0:
             why = self.skipped or ("no step due yet" if steps < 2 else "no forward pass of the model was seen")
             return f"nothing compared yet ({why})"
@@ -112,29 +122,18 @@ class PerSampleCheck:
 
     # ------------------------------------------------------------------ capture
 
-    def _wrap_accumulate(self) -> None:
-        """The optimizer's accumulation of a physical batch (on the instance) first feeds the ledger at checked steps."""
-        def accumulate(*args, **kwargs):
-            if not self.replaying and self.on_accumulate is not None:
+    def accumulate(self) -> None:
+        """At a checked step, the ledger adds the physical batch the optimizer is about to accumulate."""
+        if self.ledger is not None and self.due(self.steps()):
+            with self.budget.timed():
                 try:
-                    self.on_accumulate()
-                except Exception as error:  # the run checks' failure never ends training
-                    self.on_accumulate = None
-                    warnings.warn(f"the run checks stopped counting rows: {error!r}", RuntimeWarning, stacklevel=2)
-            if not self.replaying and self.ledger is not None and self.due(self.steps()):
-                with self.budget.timed():
-                    try:
-                        self.ledger.add()
-                    except Exception as error:  # the check's own failure never ends training
-                        self._stop(error, self.steps())
-            return patch.original(*args, **kwargs)
-
-        patch = self._wrapped = InstancePatch(self.optimizer, "accumulate" if self.ghost else "clip_and_accumulate",
-                                              accumulate)
+                    self.ledger.add()
+                except Exception as error:  # the check's own failure never ends training
+                    self._stop(error, self.steps())
 
     def due(self, step: int) -> bool:
         """Step `step` is checked: on the cadence, and (after the first check) within the time budget."""
-        if self.every == 0 or self.failed is not None:
+        if self.every == 0 or self.stopped is not None:
             return False
         if self.decided[0] != step:
             self.decided = (step, self.budget.decide(step % self.every == 1 % self.every, first=not self.checked))
@@ -152,17 +151,14 @@ class PerSampleCheck:
             self.target.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
 
-    def around(self, step: int, audited_step: Callable[[], None]) -> None:
-        """Check at a noised step, then run the audited step (whose own forward passes are not captured)."""
-        self.check(step)
-        self.replaying = True
-        try:
-            audited_step()
-        finally:
-            self.replaying = False
+    def around_step(self, step: int, run_step: Callable[[], None]) -> None:
+        """Check at noised step `step` (from 1), then run the audited step (the audit's own work: its forward passes
+        not captured)."""
+        self.check(step - 1)
+        run_step()
 
     def _before_forward(self, module, args, kwargs):
-        if self.replaying or not self.due(self.steps()) or not (module.training and torch.is_grad_enabled()):
+        if self.run.busy or not self.due(self.steps()) or not (module.training and torch.is_grad_enabled()):
             return None
         call = captured(args, kwargs)
         call.buffers = buffer_values(module)  # a replay starts from them
@@ -170,7 +166,7 @@ class PerSampleCheck:
         return None
 
     def _after_forward(self, module, args, kwargs, output):
-        if self.replaying or not self.calls or self.calls[-1].args is not args:
+        if self.run.busy or not self.calls or self.calls[-1].args is not args:
             return None
         if not keep_output(self.calls[-1], output, self.rng, self.examples):
             self.calls.pop()
@@ -182,7 +178,7 @@ class PerSampleCheck:
         """At a noised step: compare if due, never raising into training (a failure turns the check off)."""
         try:
             self._hook_target()
-            if self.failed is not None and self.replica is not None:
+            if self.stopped is not None and self.replica is not None:
                 self._gather_with_the_others(step)
             if not self.due(step):
                 return
@@ -204,7 +200,7 @@ class PerSampleCheck:
             if problem is not None:
                 self.note_problem("clipped_sum", f"{problem} (step {step})", step)
         except Exception as error:  # the check's own failure never ends training; the alarm's is the user's
-            if self.passes_on(error):
+            if self.run.passes_on(error):
                 raise
             self._stop(error, step)
 
@@ -221,8 +217,8 @@ class PerSampleCheck:
 
     def _stop(self, error: Exception, step: int) -> None:
         first_line = (str(error).splitlines() or [""])[0][:200]  # one line: some errors print whole tensors
-        self.failed = f"{type(error).__name__}: {first_line} (at step {step})"
-        warnings.warn(f"the per-sample gradient check stopped: {self.failed}", RuntimeWarning, stacklevel=3)
+        self.stopped = f"stopped at step {step + 1}: {type(error).__name__}: {first_line}"  # `step` counts from 0
+        warnings.warn(f"the per-sample gradient check {self.stopped}", RuntimeWarning, stacklevel=3)
         self.close()
 
     def _compare(self, calls: List[Call], step: int) -> None:
@@ -254,10 +250,21 @@ class PerSampleCheck:
         if not self.further:
             return False
         with self._replaying():
-            coupled = [further.replay(step) for further in self.further]
+            coupled = [self._further_replay(further, step) for further in tuple(self.further)]
         if any(coupled):
             self.skipped = "the examples are coupled (run checks): no example has a gradient of its own"
         return any(coupled)
+
+    def _further_replay(self, further, step: int) -> bool:
+        """One further replay; its own failure stops that check alone (the runner's stop)."""
+        try:
+            return bool(further.replay(step))
+        except Exception as error:
+            if self.run.passes_on(error):
+                raise
+            self.further.remove(further)
+            self.run.stop(further, error)
+            return False
 
     def _held(self, batch: int, stacked: int):
         """What Opacus holds per tensor for the last batch: (kind, rows) with rows[i] example i's entry, or None."""
@@ -293,16 +300,15 @@ class PerSampleCheck:
         gsm = self.module()
         was_enabled = getattr(gsm, "hooks_enabled", False)
         buffers = buffer_values(self.target)
-        self.replaying = True
         try:
             if was_enabled:
                 gsm.disable_hooks()
             # Opacus's switched-off backward hooks still fire here; torch's warning about them at this package's
             # lines is filtered once, at import (forward_replay.py)
-            with samples_set_aside(self.params), (self.replica.plain() if self.replica else contextlib.nullcontext()):
+            with self.run.own_work(), samples_set_aside(self.params), (
+                    self.replica.plain() if self.replica else contextlib.nullcontext()):
                 yield
         finally:
-            self.replaying = False
             if was_enabled:
                 gsm.enable_hooks()
             set_buffers(self.target, buffers)
@@ -347,9 +353,6 @@ class PerSampleCheck:
         for h in self.handles:
             h.remove()
         self.handles, self.calls = [], []
-        if self._wrapped is not None:
-            self._wrapped.restore()
-            self._wrapped = None
 
 
 def tensor_problem(names, held, i: int, grads, total: float, rtol: float, eps: float, ghost: bool) -> Optional[str]:

@@ -231,6 +231,10 @@ class StepPipeline:
         if self.record.note_problem(code, message, step, alarm) and alarm and self.path.local:
             self.check()
 
+    def passes_on(self, error: BaseException) -> bool:
+        """Whether `error` is one the audit passes on (its alarm's, the optimizer's own): never a check's fault."""
+        return error is self._passed
+
     def note_problem_quietly(self, code: str, message: str) -> None:
         self.record.note_problem(code, message, self.steps)
 

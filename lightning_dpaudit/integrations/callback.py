@@ -198,7 +198,7 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
         if self.auditor is not None and trainer.world_size > 1:
             self.auditor.check_sample_rate(batches_per_epoch(trainer))
         if self.auditor is not None:
-            self._safely("on_train_start", self.auditor.run_checks.loader, training_loader(trainer))
+            self._safely("on_train_start", self.auditor.loader, training_loader(trainer))
         if self.final_model is not None:
             self.final_model.start(self.auditor_options.get("module", pl_module))  # the model that scores the canaries
 
@@ -210,7 +210,7 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.auditor is not None and not trainer.sanity_checking:
-            self._safely("on_train_batch_start", self.auditor.run_checks.batch, batch, step_replay(pl_module, batch_idx))
+            self._safely("on_train_batch_start", self.auditor.batch, batch, step_replay(pl_module, batch_idx))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.auditor is None or trainer.sanity_checking:
@@ -218,8 +218,8 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
         self._safely("on_train_batch_end", self._batch_end, trainer, pl_module)
 
     def _batch_end(self, trainer, pl_module) -> None:
-        if self.auditor.record.failed:
-            self._log_failure(trainer, self.auditor.record.failed)
+        if self.auditor.failed:
+            self._log_failure(trainer, self.auditor.failed)
         if self.auditor.steps and self.auditor.steps % self.log_every_n_steps == 0 and self.auditor.steps != self._last_logged():
             with self.budget.spend("epsilon") as allowed:
                 result = self.auditor.result(accounting=allowed)
@@ -241,7 +241,7 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
         if self.auditor is None or not self.auditor.steps:
             return
         try:  # the last steps' violation, recorded since the last check, alerts as `alert` says
-            self._safely("the final check", self.auditor.pipeline.check)
+            self._safely("the final check", self.auditor.check)
         finally:  # the report is written whatever the alert does
             result = self._safely("on_fit_end", self.auditor.result)
             if result is not None:
@@ -309,7 +309,7 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
             if error is self._passed or isinstance(error, PrivacyViolationError):
                 raise
             cause = f"{where}: {type(error).__name__}: {error} at step {self.auditor.steps}"
-            self.auditor.record.failed = self.auditor.record.failed or cause
+            self.auditor.note_failure(cause)
             if not self._warned_failure:
                 self._warned_failure = True
                 rank_zero_warn(f"the privacy audit's {cause}; training goes on, the audit's record may be incomplete",

@@ -115,8 +115,15 @@ def origin(control: list, changed: list) -> Optional[str]:
 
 
 class CouplingCheck(RunCheck):
-    def __init__(self, seed: Optional[int], training_loss: Optional[Callable] = None, examples: int = 2):
-        self.rng = np.random.default_rng(None if seed is None else [seed, 35])
+    """Replays at the exact checks' steps: `schedule.due(step)` (per_sample_check.PerSampleCheck) says which; the
+    exact check runs the replays (`replay`) with Opacus's hooks off, within its time budget."""
+
+    name = "independence of examples"
+    codes = (CODE, OUTSIDE_DP)
+
+    def __init__(self, training_loss: Optional[Callable] = None, examples: int = 2, *, schedule=None):
+        self.schedule = schedule
+        self.closed = False
         self.training_loss = training_loss  # plain loop: batch -> the step's loss
         self.examples = examples
         self.step_fn: Optional[Callable] = None  # this batch's training step (Lightning's training_step), if any
@@ -126,17 +133,40 @@ class CouplingCheck(RunCheck):
         self.step_buffers = None  # the trained module's buffers when the last batch was delivered, at a checked step
         self.root: Optional[torch.nn.Module] = None
         self.handles: list = []
-        self.compared = 0
+        self.compared = 0  # forward replays with the others replaced
+        self.stepped = 0  # training-step replays with the others replaced
         self.skipped: Optional[str] = None
         self.found = set()
 
-    def watch(self, root: Optional[torch.nn.Module], due: Callable[[], bool], busy: Callable[[], bool]) -> None:
+    def attach(self, run) -> None:
+        super().attach(run)
+        self.rng = np.random.default_rng(None if run.seed is None else [run.seed, 35])
+        if self.training_loss is None:
+            self.training_loss = run.training_loss
+        if self.schedule is not None:
+            self.schedule.further.append(self)
+
+    def due(self) -> bool:
+        return self.schedule is not None and self.schedule.due(self.run.steps())
+
+    def busy(self) -> bool:
+        return self.run.busy > 0
+
+    def _watch_model(self) -> None:
+        if not self.handles:  # hooked once, when the model is first known
+            model = self.run.gradient_module()
+            self.watch(getattr(model, "_module", model))
+
+    def step(self, seen) -> None:
+        self._watch_model()
+
+    def watch(self, root: Optional[torch.nn.Module]) -> None:
         """Hook the model's forward pass (once): at a checked step, keep what a replay needs. The model's forward pass
         is that of the outermost module that runs among those holding every trained tensor (the root, or the
         model inside a LightningModule whose own forward never runs)."""
-        if root is None or self.handles:
+        if root is None or self.handles or self.closed:
             return
-        self.due, self.busy, self.depth = due, busy, 0
+        self.depth = 0
         target = smallest_module_holding(root, self.run.params)
         name = next(n for n, m in root.named_modules() if m is target)
         chain = [m for outer, m in root.named_modules() if outer == "" or name == outer or name.startswith(outer + ".")]
@@ -162,9 +192,10 @@ class CouplingCheck(RunCheck):
             self.call = None
         return None
 
-    def batch(self, batch, step_fn=None, due: bool = False) -> None:
+    def batch(self, batch) -> None:
         """Keep the batch (a reference) and, at a checked step, the RNG states its training step starts from."""
-        self.last_batch, self.step_fn = batch, step_fn
+        self._watch_model()
+        self.last_batch, self.step_fn, due = batch.value, batch.step_fn, self.due()
         self.states = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if due else None
         self.step_buffers = buffer_values(self._step_module()) if due else None
 
@@ -180,7 +211,7 @@ class CouplingCheck(RunCheck):
         """At a checked step (Opacus's hooks off): the control and the replaced replays; True if the examples are
         found coupled."""
         call, self.call = self.call, None
-        if call is None or not call.grads or len(self.found) == 2:
+        if self.closed or call is None or not call.grads or len(self.found) == 2:
             return False
         target, keep = self.root, np.asarray(call.chosen)
         rows = torch.as_tensor(keep, device=next(iter(call.outputs.values())).device)
@@ -250,6 +281,7 @@ class CouplingCheck(RunCheck):
                      for source in sources]
         finally:
             set_buffers(module, post)
+        self.stepped += 1
         where = None
         for changed in steps:
             if changed is None:
@@ -314,6 +346,7 @@ class CouplingCheck(RunCheck):
         return True
 
     def close(self) -> None:
+        self.closed = True
         for h in self.handles:
             h.remove()
         self.handles, self.call = [], None
@@ -323,7 +356,14 @@ class CouplingCheck(RunCheck):
         self.skipped = self.skipped or f"the exact checks replayed nothing: {reason}"
 
     def status(self) -> str:
-        how = "training step" if (self.step_fn is not None or self.training_loss is not None) else "forward pass"
+        """Counted from what ran: forward replays, and of those the ones through the training step."""
         if not self.compared:
             return f"independence of examples (nothing compared yet{': ' + self.skipped if self.skipped else ''})"
-        return f"independence of examples ({self.compared} replays with the others replaced, through the {how})"
+        if self.step_fn is None and self.training_loss is None and not self.stepped:
+            return f"independence of examples ({self.compared} replays with the others replaced, through the forward pass)"
+        if self.stepped == self.compared:
+            return f"independence of examples ({self.compared} replays with the others replaced, through the training step)"
+        step = (f", {self.stepped} of them through the training step" if self.stepped else
+                ", none through the training step")
+        why = f" ({self.skipped})" if self.skipped and self.stepped < self.compared else ""
+        return f"independence of examples ({self.compared} replays with the others replaced{step}{why})"

@@ -93,9 +93,10 @@ def concatenated_copies(dataset) -> Optional[str]:
 
 
 class MultiplicityCheck(RunCheck):
+    name = "rows per record"
+    codes = (CODE,)
+
     def __init__(self):
-        self.rows = 0  # rows clipped since the last noised step
-        self.records: Optional[int] = 0  # records delivered since the last noised step (None: unknown this step)
         self.compared = 0
         self.fed = False  # batches reach the check (a loader or the callback feeds it)
         self.found = False
@@ -109,19 +110,11 @@ class MultiplicityCheck(RunCheck):
         if problem is not None:
             self._found(problem, 0)
 
-    def batch_records(self, records: Optional[int]) -> None:
-        self.fed = True
-        self.records = None if records is None or self.records is None else self.records + records
-
-    def accumulated(self) -> None:
-        """The optimizer is about to clip and accumulate a physical batch."""
-        rows = clipped_rows(self.run.params, self.run.gradient_module)
-        self.rows += rows or 0
-
-    def step(self, step: int) -> None:
-        rows, records = self.rows, self.records
-        self.rows, self.records = 0, 0
-        if not self.fed or records is None or not rows:
+    def step(self, seen) -> None:
+        """The rows the optimizer clipped for the step against the records the loader delivered for it."""
+        rows, records, step = seen.rows, seen.records, seen.step
+        self.fed = seen.fed
+        if not seen.fed or records is None or not rows:
             return
         self.compared += 1
         if rows > records and not self.found:
@@ -132,6 +125,12 @@ class MultiplicityCheck(RunCheck):
     def _found(self, message: str, step: int) -> None:
         self.found = True
         self.run.note_problem(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
+
+    def notes(self) -> list:
+        if not self.dataset_duplicates:
+            return []
+        return [(CODE, f"{self.dataset_duplicates} row(s) of the training data equal to another of its rows: duplicate "
+                 "records, or copies (the claim is one record per person)")]
 
     def status(self) -> str:
         if not self.fed:

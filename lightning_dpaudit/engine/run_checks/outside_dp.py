@@ -41,6 +41,9 @@ def listed(names: List[str]) -> str:
 
 
 class OutsideDPCheck(RunCheck):
+    name = "tensors outside the DP optimizer"
+    codes = (CODE,)
+
     def __init__(self):
         self.watched: Dict[str, tuple] = {}  # name -> (tensor, fingerprint at attach)
         self.found = False
@@ -65,7 +68,8 @@ class OutsideDPCheck(RunCheck):
                         f"or clipping: {said}", 0)
         self.watched = {n: (p, fingerprint(p)) for n, p in named if p.requires_grad}
 
-    def step(self, step: int) -> None:
+    def step(self, seen) -> None:
+        step = seen.step
         if self.found or not self.watched or not (step <= 2 or step % WATCH_EVERY == 0):
             return
         self.compared += 1

@@ -24,12 +24,15 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
+
 from scipy.special import gammaln, logsumexp
 from scipy.stats import binom
 
 from ...estimators.batch_sizes import BatchSizeTest
 from .base import DOES_NOT_DESCRIBE, RunCheck
 from .fingerprints import BatchPrints, RepeatIndex
+from .multiplicity import CODE as MULTIPLICITY
 
 CODE = "sampling"
 SIZE_ALPHA = 1e-6  # the batch-size test's false-alarm budget over a run
@@ -93,9 +96,11 @@ def shuffled_epsilon(accountant, steps: int, batches_per_epoch: int, delta: floa
 
 
 class SamplingCheck(RunCheck):
-    def __init__(self, seed: int, delta: float):
-        self.prints, self.repeats = BatchPrints(seed), RepeatIndex()
-        self.delta = delta
+    name = "sampling"
+    codes = (CODE,)
+
+    def __init__(self):
+        self.repeats = RepeatIndex()
         self.kind: Optional[str] = None  # what the loader draws, once it is known
         self.batches_per_epoch = 0
         self.sizes: Optional[BatchSizeTest] = None
@@ -106,6 +111,10 @@ class SamplingCheck(RunCheck):
 
     def attach(self, run) -> None:
         super().attach(run)
+        # the fingerprints' own torch generator: seeded from the audit's seed (any size numpy takes), within torch's range
+        seed = run.seed
+        self.prints = BatchPrints(int(np.random.default_rng(None if seed is None else [seed, 29]).integers(2**62)))
+        self.delta = run.delta
         q = self.rate()
         expected = getattr(run.optimizer, "expected_batch_size", None)
         if q is not None and expected:
@@ -140,23 +149,22 @@ class SamplingCheck(RunCheck):
             return math.inf if self.kind in ("replacement", "weighted") else math.nan
         return shuffled_epsilon(self.run.accountant, self.steps, self.batches_per_epoch, self.delta)
 
-    def batch(self, tensors: list, records: Optional[int] = None) -> None:
-        """A batch's tensors (batch_tensors) and its records (records_in)."""
+    def batch(self, batch) -> None:
+        """A batch's tensors and its records, fingerprinted."""
         self.seen_batches += 1
-        self.prints.add(tensors, self.steps + 1, records)
+        self.prints.add(batch.tensors, self.steps + 1, batch.records)
         if self.prints.due():
             self._read_prints()
 
-    def step(self, step: int) -> None:
-        self.steps = step
-
-    def records(self, records: int, step: int) -> None:
+    def step(self, seen) -> None:
         """The records of the step's batch (all its physical batches): from the loader, else the rows the optimizer
-        clipped (one per record when the rows check finds nothing)."""
+        clipped (one per record when the rows check finds nothing), against the sizes Poisson sampling gives."""
+        self.steps = seen.step
+        records = (seen.records if seen.fed else None) or seen.rows
         if self.sizes is not None and not self.found and records:
             refuted = self.sizes.add(records)
             if refuted:
-                self._found(refuted, step)
+                self._found(refuted, seen.step)
 
     def _read_prints(self) -> None:
         for p in self.prints.take():
@@ -182,6 +190,14 @@ class SamplingCheck(RunCheck):
 
     def flush(self) -> None:
         self._read_prints()
+
+    def notes(self) -> list:
+        """Rows equal to another row of their batch: duplicate records in the data, or copies."""
+        self.flush()
+        if not self.duplicates:
+            return []
+        return [(MULTIPLICITY, f"{self.duplicates} row(s) equal to another row of their batch: duplicate records in "
+                 "the data, or copies (the claim is one record per person)")]
 
     def status(self) -> str:
         self.flush()
