@@ -96,7 +96,7 @@ class ResultAssembler:
         eps_accountant, eps_lower = self.end_to_end(mu_step, accountant, ratio) if accounting else (math.nan, math.nan)
         findings = diagnose(
             self.evidence(record, layer_names, anytime), violation=bool(violating), first_violation_step=first,
-            extra=record.problems,
+            extra=record.problems, canaries_alarmed=any(g != SETUP for g in monitor.first_violation),
         )
         return AuditResult(
             epsilon_lower_bound=eps_lower,

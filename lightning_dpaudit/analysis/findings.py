@@ -96,8 +96,11 @@ class _Interval:
         return f"{self.value:.3g}{unit} ({confidence:.0%} CI {self.low:.3g}-{self.high:.3g})"
 
 
-def diagnose(ev: Evidence, *, violation: bool, first_violation_step: Optional[int] = None, extra: Sequence[Finding] = ()):
-    """Findings for a result: `extra` (other checks' findings) first, then, if `violation`, this module's codes."""
+def diagnose(ev: Evidence, *, violation: bool, first_violation_step: Optional[int] = None, extra: Sequence[Finding] = (),
+             canaries_alarmed: bool = True):
+    """Findings for a result: `extra` (other checks' findings) first, then, if `violation`, this module's codes.
+    The noise and clipping intervals run only after the canaries' own alarm fired (`canaries_alarmed`): their error
+    bound holds there, not after a violation another check's certain finding set."""
     found = list(extra)
     if not violation:
         return tuple(found)
@@ -106,7 +109,7 @@ def diagnose(ev: Evidence, *, violation: bool, first_violation_step: Optional[in
         own.append(_repeats(ev))
     if ev.correlation is not None:
         own.append(correlated(ev.correlation))
-    if ev.gradient and ev.correlation is None:  # the intervals assume noise independent across steps
+    if ev.gradient and ev.correlation is None and canaries_alarmed:  # intervals assume noise independent across steps
         own += _moment_findings(ev, first_violation_step)
     if not own and not found:
         own.append(_general(ev, first_violation_step))

@@ -78,14 +78,21 @@ def captured(args, kwargs) -> Call:
     return Call(args, kwargs, torch.get_rng_state(), cuda_states, autocast=autocast)
 
 
+def autocast_regions(call: Call) -> contextlib.ExitStack:
+    """The autocast regions the call's forward ran in (the run's own mixed precision), entered anew."""
+    regions = contextlib.ExitStack()
+    for device_type, dtype in call.autocast:
+        regions.enter_context(torch.autocast(device_type, dtype=dtype))
+    return regions
+
+
 def replay_forward(module: torch.nn.Module, call: Call, args, kwargs) -> list:
     """The output leaves (tensors requiring grad, of at least one dimension) of module(*args, **kwargs) run from the
     call's RNG states and autocast regions; torch's own RNG state is put back after."""
     with contextlib.ExitStack() as regions:
         regions.enter_context(torch.random.fork_rng(devices=[d for d, _ in call.cuda_states]))
         regions.enter_context(torch.enable_grad())
-        for device_type, dtype in call.autocast:  # the forward's own mixed precision
-            regions.enter_context(torch.autocast(device_type, dtype=dtype))
+        regions.enter_context(autocast_regions(call))  # the forward's own mixed precision
         torch.set_rng_state(call.rng_state)
         for d, state in call.cuda_states:
             torch.cuda.set_rng_state(state, d)

@@ -23,6 +23,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from ..engine.auditor import PrivacyAuditor
 from ..engine.kinds.input_canaries import show_progress
+from ..engine.checks.runner import check_checks
 from ..engine.options import SETTINGS, check_accountant, check_settings, flag, integer, one_argument_callable, real
 from ..engine.pipeline import AuditFailedWarning
 from ..engine.user_warning import warn_at_user_code
@@ -132,7 +133,10 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
         check_accountant(accountant)
         check_optimizer(optimizer)
         defaults = {name: p.default for name, p in inspect.signature(PrivacyAuditor).parameters.items() if name in SETTINGS}
-        check_settings(**{**defaults, **auditor_options})  # PrivacyAuditor's own checks, now rather than at fit start
+        settings = {name: value for name, value in auditor_options.items() if name in SETTINGS}
+        check_settings(**{**defaults, **settings})  # PrivacyAuditor's own checks, now rather than at fit start
+        if auditor_options.get("checks") is not None:
+            check_checks(auditor_options["checks"])
         self.alert = alert
         self.log_every_n_steps = integer("log_every_n_steps", log_every_n_steps, 1)
         self.budget = TimeBudget(real("logging_budget", logging_budget, low=0.0, high=1.0, high_open=False))

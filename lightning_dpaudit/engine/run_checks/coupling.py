@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..forward_replay import (
-    buffer_values, captured, keep_output, replay_forward, same_rows, samples_set_aside, set_buffers,
+    autocast_regions, buffer_values, captured, keep_output, replay_forward, same_rows, samples_set_aside, set_buffers,
     smallest_module_holding, tensors,
 )
 from .base import DOES_NOT_DESCRIBE, RunCheck, records_in
@@ -313,7 +313,7 @@ class CouplingCheck(RunCheck):
         set_buffers(module, self.step_buffers)
         numpy_now, python_now = np.random.get_state(), random.getstate()
         try:
-            with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            with torch.random.fork_rng(devices=[]), torch.enable_grad(), autocast_regions(call):  # the step's precision
                 torch.set_rng_state(torch_state)
                 np.random.set_state(numpy_state)
                 random.setstate(python_state)
