@@ -395,15 +395,29 @@ def test_a_damaged_state_is_refused_and_the_auditor_left_as_it_was(_saved, corru
     assert auditor.steps == 3 and not auditor.result(accounting=False).violation
 
 
-@_pytest.mark.parametrize("where", ["input-canary gradients", "reading the release", "the exact check"])
+def test_a_failure_of_the_exact_check_around_the_step_stops_that_check_alone():
+    from lightning_dpaudit import CheckStoppedWarning
+
+    model, optimizer, loader, auditor = _fresh()
+    _train(model, optimizer, loader, 1)
+
+    def broken(*args, **kwargs):  # its code runs before the audited step, in the optimizer's add_noise
+        raise RuntimeError("failure in the exact check")
+
+    auditor.per_sample_check.around_step = broken
+    with _pytest.warns(CheckStoppedWarning, match="failure in the exact check"):
+        _train(model, optimizer, loader, 2)
+    result = auditor.result(accounting=False)
+    assert result.audit_failed is None and auditor.steps == 3  # the audit goes on, the step audited
+    assert result.checks_stopped == (("per-sample gradients", "stopped at step 2: RuntimeError: failure in the exact check"),)
+
+
+@_pytest.mark.parametrize("where", ["input-canary gradients", "reading the release"])
 def test_a_failure_inside_an_audited_step_leaves_plain_training_working(where):
     if where == "input-canary gradients":
         model, optimizer, loader, options = _input_run(canary="mislabeled", canaries_per_step=8)
         auditor = _Auditor(optimizer, module=model, **options)
         target, name = auditor.kind.input_probe, "gradients"
-    elif where == "the exact check":  # its code runs before the audited step, in the optimizer's add_noise
-        model, optimizer, loader, auditor = _fresh()
-        target, name = auditor.per_sample_check, "around"
     else:
         model, optimizer, loader, auditor = _fresh()
         target, name = auditor.kind, "read"

@@ -26,31 +26,22 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..analysis.assemble import Claim, ResultAssembler
+from ..analysis.assemble import ResultAssembler
 from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
 from . import distributed as dist
-from .accumulation_check import AccumulationLedger
-from .checks import DATA_PATH, PIPELINE, CheckRunner, RunView
-from .checks.defaults import default_checks
-from .checks.runner import check_checks
-from .adaptive import mechanism_of, step_claims
-from .claim_range import check_claim
+from . import assembly
+from .adaptive import mechanism_of
+from .checks import DATA_PATH, PIPELINE
 from .claims import normalisation_problem
 from .divergence import diverged_step
-from .ghost import check_ghost_options, is_ghost
+from .findings_sink import FindingSink
 from .kinds import ALL_KIND_NAMES, canary_kind_for
-from .kinds.input_probe import check_input_model
-from .noised_step import NoisedStep, canary_clipping
+from .noised_step import NoisedStep
 from .opacus_step import OpacusStep
-from .options import (
-    BATCHED_CHECK_EVERY, check_accountant, check_module, check_opacus_version, find_accountant, validate,
-)
-from .paths import PathSettings, release_path_for
-from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES, PerSampleCheck
-from .pipeline import StepPipeline
-from .run_checks import SamplingCheck, check_run_options, refuse_unwatchable
-from .run_checks.multiplicity import clipped_rows
+from .options import SETTINGS, find_accountant
+from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES
+from .run_checks import SamplingCheck, refuse_unwatchable
 from .run_checks.watched_loader import WatchedLoader
 from .state import AuditStateError, check_state, composed_steps, dump_state, setup_of
 from .user_warning import warn_at_user_code
@@ -112,83 +103,28 @@ class PrivacyAuditor:
         per_sample_check_examples: int = DEFAULT_EXAMPLES, per_sample_check_budget: float = DEFAULT_BUDGET,
         data_loader=None, training_loss: Optional[Callable] = None, other_optimizers=(), checks=None,
     ):
-        import opacus
-
-        from .options import unwrapped_optimizer
-
-        optimizer = unwrapped_optimizer(optimizer)  # Lightning's LightningOptimizer (manual optimization): its optimizer
-        check_opacus_version(opacus.__version__)
-        path_class = release_path_for(optimizer)
-        if getattr(optimizer, "_dpaudit_auditor", None) is not None:
-            raise RuntimeError("a PrivacyAuditor is already attached to this optimizer; call its detach() first")
-        check_claim(optimizer)
-        check_accountant(accountant)
-        options = validate(
-            optimizer, delta=delta, confidence=confidence, canary=canary, canaries_per_step=canaries_per_step, mode=mode,
-            estimator=estimator, seed=seed, canary_scale=canary_scale, moving=moving, support=support,
-            check_every=check_every, module=module, on_violation=on_violation, canary_inputs=canary_inputs,
-            canary_labels=canary_labels, loss_fn=loss_fn, recraft_every=recraft_every, observe_steps=observe_steps,
-            observation_window=observation_window, checksum_every=checksum_every,
-            per_sample_check_every=per_sample_check_every, per_sample_check_examples=per_sample_check_examples,
-            per_sample_check_budget=per_sample_check_budget,
-        )
-        check_run_options(data_loader=data_loader, training_loss=training_loss, other_optimizers=other_optimizers)
-        checks = default_checks() if checks is None else check_checks(checks)
-        exact = next((c for c in checks if isinstance(c, PerSampleCheck)), None)  # schedules the exact checks
-        path_class.check_options(options)
-        check_ghost_options(optimizer, options)
-        if options.input:
-            check_input_model(module, list(optimizer.params), options.canary)
-        check_module(module, optimizer.params)
+        settings = {name: value for name, value in locals().items() if name in SETTINGS}
+        optimizer, path_class, options, checks = assembly.validated(
+            optimizer, accountant=accountant, checks=checks, data_loader=data_loader, training_loss=training_loss,
+            other_optimizers=other_optimizers, settings=settings)
         seed = path_class.agree_on_seed(options.seed)
-        self.optimizer, self.options, self.model = optimizer, options, module
+        self.optimizer, self.options, self.model, self.on_violation = optimizer, options, module, options.on_violation
         self.accountant = accountant if accountant is not None else find_accountant(optimizer)
-        self.on_violation = options.on_violation
         mechanism = mechanism_of(optimizer)  # adaptive clipping: the gradient's noise multiplier (adaptive.py)
-        sigma, C = mechanism.noise_multiplier, mechanism.max_grad_norm
         self.setup = setup_of(mechanism, options)
-        self.rng = np.random.default_rng(seed)
-        self.kind = canary_kind_for(optimizer, mechanism, options, module, self.rng)
-        self.record = AuditRecord(
-            self.kind.layer_claims, 1.0 / sigma, confidence=options.confidence, kinds=ALL_KIND_NAMES,
-            window=options.observation_window,
-        )
-        self.results = ResultAssembler(Claim(
-            noise_multiplier=sigma, delta=options.delta, confidence=options.confidence, estimator=options.estimator,
-            mode=options.mode, canary=options.kind, gradient=not options.input, canary_scale=options.canary_scale,
-            batch_size=getattr(optimizer, "expected_batch_size", None),
-        ))
-        self.path = path_class(optimizer, self.probe, PathSettings(
-            note_problem=lambda *a: self.pipeline.note_problem(*a), sentinels=self.kind.sentinels, noise_std=sigma * C,
-            layer_names=self.layer_names, checksum_every=options.checksum_every,
-            noise_seed=None if seed is None else int(np.random.default_rng([seed, 28]).integers(2**62)),
-            canary_clipping=lambda step: canary_clipping(exact, step),
-        ))
-        check_every = options.check_every
-        if check_every == "auto":
-            check_every = BATCHED_CHECK_EVERY if self.path.reads_on_device and self.kind.reads_on_device else 1
-        self.pipeline = StepPipeline(
-            self.kind, self.path, self.record, paired=options.mode == "paired", check_every=check_every,
-            observe_steps=options.observe_steps, alarm=self._alarm,
-            claims=step_claims(optimizer, mechanism, self.accountant, module=self.kind.module_ref,
-                               on_change=self._claim_changed, note_problem=lambda *a: self.pipeline.note_problem(*a)),
-        )
-        if self.probe.ghost is not None:  # ghost clipping's own coefficient check (ghost.py)
-            self.probe.ghost.note_problem = lambda *a: self.pipeline.note_problem(*a[:2], self.pipeline.steps + 1, a[2])
-        pipeline, ghost = self.pipeline, is_ghost(optimizer)
-        self.run = RunView(
-            optimizer, list(mechanism.params), module, self.kind.module_ref, self.accountant, pipeline.note_problem,
-            steps=lambda: pipeline.steps, other_optimizers=list(other_optimizers), names=self.layer_names, seed=seed,
-            delta=options.delta, ghost=ghost, sharded=dist.is_sharded(optimizer), passes_on=pipeline.passes_on,
-            ledger=lambda: AccumulationLedger(optimizer, self.probe, ghost=ghost, per_layer=mechanism.per_layer,
-                                              path=self.path), training_loss=training_loss,
-            exact={"every": per_sample_check_every, "examples": per_sample_check_examples,
-                   "budget": per_sample_check_budget},
-        )
-        self.checks = CheckRunner(checks, self.run, passes_on=pipeline.passes_on, rows=clipped_rows,
-                                  accumulate_method="accumulate" if ghost else "clip_and_accumulate")
-        self.exact_check = exact
-        self.record.declare({code: check.scope for check in checks for code in check.codes})
+        self.kind = canary_kind_for(optimizer, mechanism, options, module, np.random.default_rng(seed))
+        self.record = AuditRecord(self.kind.layer_claims, 1.0 / mechanism.noise_multiplier, confidence=options.confidence,
+                                  kinds=ALL_KIND_NAMES, window=options.observation_window)
+        self.results = ResultAssembler(assembly.claim_of(optimizer, mechanism, options))
+        findings = FindingSink(self.record)
+        self.per_sample_check = exact = assembly.exact_check_of(checks)  # the exact check (None when not run)
+        self.path = assembly.release(path_class, optimizer, self.kind, mechanism, options, findings, seed, exact)
+        self.pipeline = assembly.steps(optimizer, self.kind, self.path, self.record, findings, mechanism,
+                                       self.accountant, options, alarm=self._alarm, on_claim_change=self._claim_changed)
+        self.checks = assembly.run_checks(
+            checks, optimizer, mechanism, module, self.kind, self.path, self.pipeline, self.accountant, options, seed,
+            other_optimizers=other_optimizers, training_loss=training_loss, exact_options={
+                "every": per_sample_check_every, "examples": per_sample_check_examples, "budget": per_sample_check_budget})
         self.path.verify_start(options.canaries_per_step, seed)
         self.noised_step = NoisedStep(optimizer, self.pipeline, exact, self.checks, self.path)
         self.path.attach(self.noised_step)
@@ -201,7 +137,7 @@ class PrivacyAuditor:
         self.checks.attach()
         if data_loader is not None:
             self.watch_loader(data_loader)
-        self.pipeline.note_problem("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
+        findings.report("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
 
     def detach(self) -> None:
         """Restore the optimizer exactly as it was before the auditor attached."""
@@ -370,11 +306,18 @@ class PrivacyAuditor:
         self.pipeline.record_pending()
         return dump_state(self.setup, self.steps, self.kind.state_dict(), self.record.state_dict())
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict, *, composed: Optional[int] = None) -> None:
+        """AuditStateError (a ValueError) unless `state` was taken on this set-up and is whole; `composed`: the steps
+        the accountant's history composes (default: the accountant's own history)."""
+        if composed is None:
+            composed = composed_steps(getattr(self.accountant, "history", None))
+        check_state(state, self.setup, claims=self.record.monitor.opening, composed=composed)
+
+    def load_state_dict(self, state: dict, *, checked: bool = False) -> None:
         """Resume from `state`; AuditStateError (a ValueError), with the auditor unchanged, if it
-        was taken on another set-up or is damaged."""
-        check_state(state, self.setup, claims=self.record.monitor.opening,
-                    composed=composed_steps(getattr(self.accountant, "history", None)))
+        was taken on another set-up or is damaged. checked: `check_state` already passed it."""
+        if not checked:
+            self.check_state(state)
         saved = self.state_dict()
         try:
             self._load(state)

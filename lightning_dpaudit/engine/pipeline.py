@@ -102,8 +102,11 @@ def plain_noise_fails(optimizer) -> bool:
 
 class StepPipeline:
     def __init__(self, kind, path, record: AuditRecord, *, paired: bool, check_every: int, observe_steps: Optional[int],
-                 alarm: Callable[[], None], claims=None):
+                 alarm: Callable[[], None], claims=None, findings=None):
+        """`findings`: the audit's FindingSink (findings_sink.py), whose findings this pipeline records and alarms."""
         self.kind, self.path, self.record, self.claims = kind, path, record, claims
+        if findings is not None:
+            findings.connect(self.note_problem)
         self.segment = 0  # the claim segment of the current claim (set when the claim changes)
         self.paired, self.check_every, self.observe_steps = paired, check_every, observe_steps
         self.alarm = alarm

@@ -21,7 +21,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
 from ..analysis.monitor import POOLED
 from ..analysis.schema import Field, Section, StateError
-from ..engine.state import AuditStateError, check_state, check_state_alone, composed_steps
+from ..engine.state import AuditStateError, check_state_alone, composed_steps
 from .final_model_audit import FINAL_MODEL_TRACKER
 from .logged_values import _to_checkpoint
 
@@ -237,10 +237,10 @@ class AuditCheckpointing:
         # the accountant's history as the audit goes on with it: its own, or the saved one restored below
         composed = composed_steps(live if live or accountant is None else state.get("accountant_history"))
         if saved is not None:
-            check_state(saved, self.auditor.setup, claims=self.auditor.record.monitor.opening, composed=composed)
+            self.auditor.check_state(saved, composed=composed)
         check_accounting(saved, state.get("accountant_history"), self.auditor)
         if saved is not None:
-            self.auditor.load_state_dict(saved)  # checked again, unchanged on error
+            self.auditor.load_state_dict(saved, checked=True)  # unchanged on error
         self.history = list(state.get("history", []))
         self.alerted = bool(state.get("alerted", False))
         accountant = self.auditor.accountant
