@@ -72,14 +72,12 @@ def clocked(function, key: str, spent: dict = SPENT):
 
 
 def timed_checks(auditor) -> None:
-    """Adds the time the auditor's exact checks take (the check at a step, the ledger's additions) to SPENT, and the
-    run checks' per-step work (batches, accumulations, steps) to SPENT["run checks"]."""
-    check, ledger, run = auditor.per_sample_check, auditor.per_sample_check.ledger, auditor.run_checks
+    """Adds the time the auditor's exact check takes (the check at a step, the ledger's additions) to SPENT, and the
+    checks' per-step hooks (each batch, each step) to SPENT["run checks"]. The runner's accumulation hook (the rows
+    counted, the ledger's additions at checked steps) is timed with the step it belongs to, not apart."""
+    check, runner = auditor.per_sample_check, auditor.checks
     check.check = clocked(check.check, "seconds")
-    if ledger is not None:
-        ledger.add = clocked(ledger.add, "seconds")
-    check.on_accumulate = clocked(check.on_accumulate, "run checks")
-    run.batch, run.step = clocked(run.batch, "run checks"), clocked(run.step, "run checks")
+    runner.batch, runner.step = clocked(runner.batch, "run checks"), clocked(runner.step, "run checks")
 
 
 # the audited step's parts: (owner, attribute, label); a part's time includes the parts it calls
@@ -91,8 +89,8 @@ PARTS = (
     ("path", "view", "  reading the release at the pool"),
     ("kind", "read", "  the canaries' observations"),
     ("pipeline", "record_pending", "  recording and checking (every check_every steps)"),
-    ("run_checks", "step", "run checks at the step"),
-    ("run_checks", "batch", "run checks of each batch"),
+    ("checks", "step", "checks' step hooks (run checks)"),
+    ("checks", "batch", "checks' batch hooks (run checks)"),
     ("per_sample_check", "check", "exact checks (their steps only, amortised)"),
 )
 

@@ -805,7 +805,7 @@ def fault_cases():
         ("probe.pool", lambda a: (a.probe, _first_attr(a.probe, ("rows", "canary_rows", "gather", "pool_rows")))),
         ("pipeline.check", lambda a: (a.pipeline, "check")),
         ("results.result", lambda a: (a.results, "result")),
-        ("per_sample_check.around", lambda a: (a.per_sample_check, "around")),
+        ("per_sample_check.around_step", lambda a: (a.per_sample_check, "around_step")),
     ]
     cases = []
     for label, where in targets:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .limits import MIN_NOISE_MULTIPLIER
+
 # Canary kinds of canaries.KINDS and input_canaries.INPUT_KINDS, named here so that
 # building the parser does not import torch.
 GRADIENT_CANARIES = ("dirac", "constant", "random")
@@ -195,7 +197,6 @@ def _check_demo_flags(parser: argparse.ArgumentParser, args) -> None:
 
 # The smallest noise multiplier the demo takes: the audit claims mu = 1 / sigma per step, and a claim must be a
 # finite number (below 1 / 1e-300 = 1e300 it is one, with room for the products the estimators take of it).
-MIN_NOISE_MULTIPLIER = 1e-300
 
 
 def _positive_real(text: str) -> float:

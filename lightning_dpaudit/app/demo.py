@@ -28,7 +28,7 @@ from pytorch_lightning.callbacks import ProgressBar
 from torch.utils.data import DataLoader, random_split
 
 from ..integrations.digits import DigitsCNN, digits_dataset
-from .cli import MIN_NOISE_MULTIPLIER
+from .limits import MIN_NOISE_MULTIPLIER
 
 TRAIN = 1500  # of the 1,797 digits; the other 297 validate and supply input canaries
 

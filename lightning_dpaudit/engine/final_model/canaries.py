@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ...analysis import final_model as final_model_analysis
 from ...analysis.schema import AuditStateError, Field, Section, StateError
-from ..options import integer
+from ..values import integer
 from .examples import DataTemplate, Examples, check_examples, check_kind_inputs, fingerprint, make_examples
 from .scores import canary_losses, cross_entropy, score_canaries
 

@@ -278,7 +278,7 @@ class InputCanaries:
         min_strength: float = 0.9,
         progress: Optional[bool] = None,
     ):
-        from ..options import integer, real  # options.py imports this module
+        from ..values import integer, real
 
         if kind not in INPUT_KINDS:
             raise ValueError(f"Unexpected value for `canary`: {kind!r}; input canary kinds are {', '.join(INPUT_KINDS)}")
