@@ -56,12 +56,14 @@ class CheckRunner:
         self.checks = check_checks(checks)
         self.run, self.passes_on, self.rows = run, passes_on, rows
         self.hooks = {hook: [c for c in self.checks if overrides(c, hook)] for hook in HOOKS}
+        # the bound methods each hook calls, in order (looked up once: the step's dispatch is a loop of calls)
+        self.calls = {hook: [(c, getattr(c, hook)) for c in checks] for hook, checks in self.hooks.items()}
         run.stop = self.stop
         self.counting = bool(self.hooks["step"])  # records and rows are counted for the checks' step hook
         self.records: Optional[int] = 0
         self.fed = False
         self.clipped = 0
-        self.at = 0  # the step the hooks serve (a stop is dated by it)
+        self.hook, self.around_at = "attach", 0  # the hook being dispatched: a stop is dated by the step it serves
         self._patch: Optional[InstancePatch] = None
         if self.counting or self.hooks["accumulate"]:
             self._patch = InstancePatch(run.optimizer, accumulate_method, self._accumulate)
@@ -69,6 +71,7 @@ class CheckRunner:
     # ------------------------------------------------------------------ dispatch
 
     def _call(self, check: Check, hook: str, *args):
+        self.hook = hook
         try:
             return getattr(check, hook)(*args)
         except Exception as error:
@@ -78,9 +81,14 @@ class CheckRunner:
             return None
 
     def _each(self, hook: str, *args) -> None:
-        self.at = self.run.steps() + (hook in ("batch", "accumulate", "step"))  # those serve the coming step
-        for check in tuple(self.hooks[hook]):
-            self._call(check, hook, *args)
+        self.hook = hook  # a stop is dated by the step the hook serves
+        for check, method in tuple(self.calls[hook]):
+            try:
+                method(*args)
+            except Exception as error:
+                if self.passes_on(error):
+                    raise
+                self.stop(check, error)
 
     def attach(self) -> None:
         for check in tuple(self.checks):
@@ -116,11 +124,14 @@ class CheckRunner:
 
     def around_step(self, step: int, run_step: Callable[[], None]) -> None:
         """`run_step` (the audited step) inside every around_step wrapper, as the audit's own work."""
-        self.at = step
+        self.hook, self.around_at, run = "around_step", step, self.run
 
         def own():
-            with self.run.own_work():
+            run.busy += 1  # RunView.own_work, without a generator on the hot path
+            try:
                 run_step()
+            finally:
+                run.busy -= 1
         self._nest(tuple(self.hooks["around_step"]), step, own)
 
     def _nest(self, wrappers: tuple, step: int, run_step: Callable[[], None]) -> None:
@@ -159,10 +170,15 @@ class CheckRunner:
         """Stop `check` alone: out of every hook, closed, its status and the result saying so."""
         if check.stopped is not None:
             return
-        check.stopped = f"stopped at step {self.at}: {first_line(error)}"
-        for hooks in self.hooks.values():
+        if self.hook == "around_step":
+            step = self.around_at
+        else:  # a batch, an accumulation or a step hook serves the step not yet counted
+            step = self.run.steps() + (self.hook in ("batch", "accumulate", "step"))
+        check.stopped = f"stopped at step {step}: {first_line(error)}"
+        for hook, hooks in self.hooks.items():
             if check in hooks:
                 hooks.remove(check)
+                self.calls[hook] = [(c, m) for c, m in self.calls[hook] if c is not check]
         try:
             check.close()
         except Exception:

@@ -149,16 +149,14 @@ class CouplingCheck(RunCheck):
     def due(self) -> bool:
         return self.schedule is not None and self.schedule.due(self.run.steps())
 
-    def busy(self) -> bool:
-        return self.run.busy > 0
-
     def _watch_model(self) -> None:
         if not self.handles:  # hooked once, when the model is first known
             model = self.run.gradient_module()
             self.watch(getattr(model, "_module", model))
 
     def step(self, seen) -> None:
-        self._watch_model()
+        if not self.handles:
+            self._watch_model()
 
     def watch(self, root: Optional[torch.nn.Module]) -> None:
         """Hook the model's forward pass (once): at a checked step, keep what a replay needs. The model's forward pass
@@ -177,7 +175,7 @@ class CouplingCheck(RunCheck):
 
     def _before(self, module, args, kwargs):
         self.depth += 1
-        if self.depth > 1 or self.busy() or not (module.training and torch.is_grad_enabled()) or not self.due():
+        if self.depth > 1 or self.run.busy or not (module.training and torch.is_grad_enabled()) or not self.due():
             return None
         self.call, self.root = captured(args, kwargs), module
         self.call.buffers = buffer_values(module)
@@ -186,7 +184,7 @@ class CouplingCheck(RunCheck):
     def _after(self, module, args, kwargs, output):
         self.depth = max(0, self.depth - 1)
         call = self.call
-        if self.busy() or call is None or module is not self.root or call.args is not args or call.chosen is not None:
+        if self.run.busy or call is None or module is not self.root or call.args is not args or call.chosen is not None:
             return None
         if not keep_output(call, output, self.rng, self.examples):
             self.call = None
@@ -194,7 +192,8 @@ class CouplingCheck(RunCheck):
 
     def batch(self, batch) -> None:
         """Keep the batch (a reference) and, at a checked step, the RNG states its training step starts from."""
-        self._watch_model()
+        if not self.handles:
+            self._watch_model()
         self.last_batch, self.step_fn, due = batch.value, batch.step_fn, self.due()
         self.states = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if due else None
         self.step_buffers = buffer_values(self._step_module()) if due else None
