@@ -8,6 +8,10 @@ rows         each step, the rows the optimizer clipped (the per-sample gradients
 dataset      a ConcatDataset whose parts reach the same underlying dataset or tensor storage (a
              dataset concatenated with transformed copies of itself): each record is several rows
              of the data. Certain at attach: finding `multiplicity`.
+indices      a Subset (nested Subsets, or a ConcatDataset part that is one) whose index map names
+             the same record of the dataset under it more than once (oversampling a class with
+             `Subset(ds, idx + idx_rare)`): that record is several rows. Certain at attach, from the
+             indices alone (one numpy unique): finding `multiplicity`.
 mirrored     rows of a tensor dataset that are other rows' mirror images (dataset_copies.py): a
              dataset stacked with augmented copies. Finding `multiplicity` at attach.
 duplicates   rows equal to another row of the same batch (fingerprints.py), and rows of a tensor
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..sharded_replay import module_norms
@@ -92,6 +97,54 @@ def concatenated_copies(dataset) -> Optional[str]:
     return None
 
 
+def base_indices(dataset, depth: int = DEPTH) -> Optional[tuple]:
+    """(base, indices) when the dataset is a chain of Subsets: the dataset under the chain and, for each row, the
+    index in it of the record the row is (int64, negative indices counted from the end). None when not a Subset."""
+    from torch.utils.data import Subset
+
+    indices = None
+    while isinstance(dataset, Subset) and depth >= 0:
+        inner = dataset.indices.cpu().numpy() if torch.is_tensor(dataset.indices) else dataset.indices
+        inner = np.asarray(inner, dtype=np.int64).reshape(-1)
+        indices = inner if indices is None else inner[indices]
+        dataset, depth = dataset.dataset, depth - 1
+    if indices is None:
+        return None
+    try:
+        size = len(dataset)
+    except TypeError:  # a dataset without a length: negative indices are left as they are
+        return dataset, indices
+    return dataset, np.where(indices < 0, indices + size, indices)
+
+
+def repeated_rows(dataset) -> int:
+    """The rows of a chain of Subsets beyond one per record of the dataset under it (0 when not a Subset)."""
+    mapped = base_indices(dataset)
+    return 0 if mapped is None else len(mapped[1]) - len(np.unique(mapped[1]))
+
+
+def repeated_indices(dataset) -> Optional[str]:
+    """A sentence when a Subset of the training data (the data itself, or a ConcatDataset's part, at any depth)
+    names the same record of the dataset under it more than once."""
+    from torch.utils.data import ConcatDataset
+
+    if isinstance(dataset, ConcatDataset):
+        return next(filter(None, map(repeated_indices, dataset.datasets)), None)
+    mapped = base_indices(dataset)
+    if mapped is None:
+        return None
+    base, indices = mapped
+    values, counts = np.unique(indices, return_counts=True)
+    repeated = np.flatnonzero(counts > 1)
+    if not len(repeated):
+        return None
+    example = repeated[0]
+    return (f"a Subset of the training data names {len(repeated)} record(s) of its {type(base).__name__} more "
+            f"than once (index {int(values[example])} {int(counts[example])} times; "
+            f"{len(indices) - len(values)} extra rows): a record is several rows of the data (oversampling?), each "
+            "clipped on its own, while the accountant counts one")
+
+
 class MultiplicityCheck(RunCheck):
     name = "rows per record"
     codes = (CODE,)
@@ -105,8 +158,9 @@ class MultiplicityCheck(RunCheck):
     def loader(self, loader) -> None:
         dataset = getattr(loader, "dataset", None)
         copies = scan(dataset)
-        self.dataset_duplicates = copies.duplicates if copies is not None else 0
-        problem = concatenated_copies(dataset) or mirrored_finding(copies)
+        if copies is not None:  # equal rows beyond those the index map repeats (the finding below names those)
+            self.dataset_duplicates = copies.duplicates - repeated_rows(dataset)
+        problem = concatenated_copies(dataset) or repeated_indices(dataset) or mirrored_finding(copies)
         if problem is not None:
             self._found(problem, 0)
 
