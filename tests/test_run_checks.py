@@ -25,6 +25,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset, W
 
 from lightning_dpaudit import DPAuditCallback, PrivacyAuditor
 from lightning_dpaudit.analysis.report import summary_table, verdict_title
+from lightning_dpaudit.engine.run_checks import CouplingCheck, MultiplicityCheck, SamplingCheck
 from lightning_dpaudit.estimators.batch_sizes import BatchSizeTest
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset, make_private_digits
 
@@ -107,7 +108,7 @@ def test_a_dropout_model_replays_exactly_and_stays_quiet():
     _train(model, optimizer, loader, 30)
     result = auditor.result()
     assert not result.violation, _codes(result)
-    assert auditor.run_checks.coupling.compared == 6
+    assert auditor.checks.find(CouplingCheck).compared == 6
 
 
 def test_disjoint_parts_of_one_dataset_are_not_copies():
@@ -488,9 +489,11 @@ def test_duplicate_records_in_a_tensor_dataset_are_a_note_naming_their_count():
     auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
     _train(model, optimizer, loader, 5)
     result = auditor.result()
-    assert [n for n in result.notes if n.startswith("multiplicity: ")] == [
-        "multiplicity: 1797 row(s) of the training data equal to another of its rows: duplicate records, or copies "
-        "(the claim is one record per person)"]
+    notes = [n for n in result.notes if n.startswith("multiplicity: ")]
+    assert notes[-1] == ("multiplicity: 1797 row(s) of the training data equal to another of its rows: duplicate "
+                         "records, or copies (the claim is one record per person)")
+    # the sampling check's own count of the same fact in the batches, where it saw any, comes first
+    assert all("equal to another row of their batch" in n for n in notes[:-1]) and len(notes) <= 2
     assert not result.violation
 
 
@@ -515,19 +518,19 @@ def test_duplicate_records_seen_in_batches_are_a_note_naming_their_count():
     _train(model, optimizer, loader, 40)
     result = auditor.result()
     note = next(n for n in result.notes if n.startswith("multiplicity: "))
-    assert int(note.split()[1]) == auditor.run_checks.sampling.duplicates > 0
+    assert int(note.split()[1]) == auditor.checks.find(SamplingCheck).duplicates > 0
     assert "equal to another row of their batch" in note and not result.violation
 
 
 def test_an_error_of_the_run_checks_never_ends_the_training_loop(monkeypatch):
-    model, optimizer, loader, _ = make_private_digits(seed=0)
-    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
-
     def broken(*args, **kwargs):
         raise RuntimeError("run checks broke")
 
-    monkeypatch.setattr(auditor.run_checks.multiplicity, "accumulated", broken)
-    monkeypatch.setattr(auditor.run_checks.sampling, "batch", broken)
+    monkeypatch.setattr(MultiplicityCheck, "step", broken)
+    monkeypatch.setattr(SamplingCheck, "batch", broken)
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=1)
     with pytest.warns(RuntimeWarning, match="run checks broke"):
         _train(model, optimizer, loader, 3)
     assert auditor.steps == 3
+    assert [name for name, _ in auditor.result().checks_stopped] == ["sampling", "rows per record"]

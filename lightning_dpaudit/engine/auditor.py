@@ -226,9 +226,9 @@ class PrivacyAuditor:
     def sampling_epsilon(self) -> float:
         """Epsilon under the sampling the run used where a valid bound exists (run_checks/sampling.py); nan where it
         is the accountant's own or no sampling check runs, inf where no valid bound follows from the noise."""
-        sampling = next((c for c in self.checks.checks if isinstance(c, SamplingCheck) and c.stopped is None), None)
+        sampling = self.checks.find(SamplingCheck)
         try:
-            return math.nan if sampling is None else sampling.epsilon()
+            return math.nan if sampling is None or sampling.stopped else sampling.epsilon()
         except Exception:  # an accountant that cannot compose a fresh history: no figure rather than a fault
             return math.nan
 

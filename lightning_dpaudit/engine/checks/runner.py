@@ -200,6 +200,10 @@ class CheckRunner:
                 return line or ""
         return f"{check.name} ({check.stopped})"
 
+    def find(self, kind: type) -> Optional[Check]:
+        """The first check of class `kind` this runner runs, or None."""
+        return next((c for c in self.checks if isinstance(c, kind)), None)
+
     def stopped_checks(self) -> tuple:
         """(name, "stopped at step N: <error>") of every check stopped, in the order given."""
         return tuple((c.name, c.stopped) for c in self.checks if c.stopped is not None)
