@@ -264,4 +264,4 @@ def test_what_on_violation_raises_at_an_exact_checks_finding_reaches_the_trainin
     auditor = PrivacyAuditor(optimizer, seed=1, on_violation=stop, check_every=1)
     with pytest.raises(Stop):
         train_steps(model, optimizer, loader, 40)
-    assert auditor.per_sample_check.failed is None and auditor.steps <= 2
+    assert auditor.per_sample_check.stopped is None and auditor.steps <= 2

@@ -88,7 +88,7 @@ MODES = [("hooks", False), ("hooks", True), ("functorch", True), ("ew", True), (
 def test_correct_opacus_is_quiet_and_checked(mode, sequence):
     auditor = train(*setup(mode, sequence=sequence), steps=6, auditor_kwargs=EVERY_STEP)
     check = auditor.per_sample_check
-    assert check.failed is None and check.skipped is None
+    assert check.stopped is None and check.skipped is None
     assert check.checked == 5  # steps 1..5 (the model is found at step 0's forward pass)
     assert auditor.problems == []
     assert [code for code, _ in auditor.notes] == ["normalisation"]  # loss_reduction="mean": found at attach
@@ -237,7 +237,7 @@ def test_lightning_training_step_unchanged_is_checked(tmp_path, accumulate):
     data = Digits(shuffle=False) if accumulate > 1 else None  # Opacus refuses Poisson sampling with accumulation
     _fit(tmp_path, steps=5, callback=callback, datamodule=data, accumulate_grad_batches=accumulate)
     check = callback.auditor.per_sample_check
-    assert check.checked == 2 and check.skipped is None and check.failed is None  # steps 1 and 3
+    assert check.checked == 2 and check.skipped is None and check.stopped is None  # steps 1 and 3
     assert not [code for code, *_ in callback.auditor.problems if code == "per_sample_gradients"]
     assert Private is not None
 
