@@ -285,8 +285,10 @@ def test_findings_in_the_json_and_the_summary(tmp_path):
     write_report(tmp_path, result, settings={}, versions={}, history=history(), **observed(*observations(1.0, 500), "raw"))
     report = strict_loads((tmp_path / "audit_report.json").read_text())
     assert report["result"]["findings"] == [
-        {"code": "layer", "message": LEAK.message, "first_step": 37, "layers": ["fc2.weight"], "measured": 0.5, "claimed": 1.0},
-        {"code": "general", "message": "unexplained", "first_step": None, "layers": [], "measured": None, "claimed": None},
+        {"code": "layer", "message": LEAK.message, "first_step": 37, "layers": ["fc2.weight"], "measured": 0.5, "claimed": 1.0,
+         "scope": ""},
+        {"code": "general", "message": "unexplained", "first_step": None, "layers": [], "measured": None, "claimed": None,
+         "scope": ""},
     ]
     lines = summary_table(load_report(tmp_path)).splitlines()
     assert lines[0].startswith("VIOLATION:")
