@@ -273,6 +273,7 @@ class PrivacyAuditor:
         self.results.claim = replace(self.results.claim, noise_multiplier=mechanism.noise_multiplier)
 
     def _alarm(self) -> None:
+        self.record.detected = self.steps  # the step the alarm is given at, for the alert and every summary
         result = self.result()
         with self.pipeline.delivering():  # given from here; what on_violation raises is passed on
             if self.on_violation is not None:
@@ -302,7 +303,7 @@ class PrivacyAuditor:
         result = self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
         diverged = self.pipeline.diverged
         stopped = "" if diverged is None else f"; stopped: training diverged at step {diverged}"
-        return replace(result, audit_failed=self.record.failed,
+        return replace(result, audit_failed=self.record.failed, detected_step=self.record.detected,
                        data_path=self.per_sample_check.status(self.steps) + stopped,
                        pipeline=self.run_checks.status() + stopped, epsilon_sampling=self.run_checks.epsilon(),
                        notes=tuple(f"{code}: {message}" for code, message in self.notes + self.run_checks.notes()))
