@@ -169,10 +169,11 @@ class Private(pl.LightningModule):
         return optimizer
 
 
-def _fit(tmp_path, module, steps=16):
+def _fit(tmp_path, module, steps=16, callback=None):
     pl.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(tmp_path, name="tb")
-    trainer = pl.Trainer(max_steps=steps, callbacks=[DPAuditCallback(seed=0, log_every_n_steps=8)], logger=logger,
+    callback = callback if callback is not None else DPAuditCallback(seed=0, log_every_n_steps=8)
+    trainer = pl.Trainer(max_steps=steps, callbacks=[callback], logger=logger,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          accelerator="cpu", default_root_dir=tmp_path)
     trainer.fit(module, datamodule=Digits())
@@ -187,25 +188,38 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_warn_alert_is_one_log_line_tensorboard_text_and_a_warning_at_user_code(tmp_path, caplog, capsys, one_thread):
+def test_warn_alert_is_one_warning_at_user_code_and_tensorboard_text(tmp_path, caplog, capsys, one_thread):
+    """alert="warn" (the default) shows one line: the warning, attributed to the code that ran trainer.fit (its
+    findings on the lines below); no log line repeats it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with caplog.at_level(logging.WARNING, logger="lightning_dpaudit"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logger = _fit(tmp_path, Private(bug="no-noise"))
-    lines = [r for r in caplog.records if r.name == "lightning_dpaudit"]
-    assert len(lines) == 1 and "\n" not in lines[0].getMessage()
-    line = lines[0].getMessage()
+    assert not [r for r in caplog.records if r.name == "lightning_dpaudit"]
+    alerts = [w for w in caught if str(w.message).startswith("DP AUDIT VIOLATION")]
+    assert len(alerts) == 1 and alerts[0].category is PrivacyViolationWarning and issubclass(PrivacyViolationWarning, UserWarning)
+    assert alerts[0].filename == __file__  # attributed to the code that ran trainer.fit, not to a library's path
+    line = str(alerts[0].message).splitlines()[0]
     assert line.startswith("DP AUDIT VIOLATION found at step ") and "(first violating step " in line
     assert ": noise_scale: noise std" in line
     assert line.index("noise_scale") < line.index("epsilon >= ") < line.index("vs accountant")
-    alerts = [w for w in caught if str(w.message).startswith("DP AUDIT VIOLATION")]
-    assert len(alerts) == 1 and alerts[0].category is UserWarning
-    assert alerts[0].filename == __file__  # attributed to the code that ran trainer.fit, not to a library's path
     events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0}).Reload()
     (text,) = events.Tensors("dpaudit/alert/text_summary")
     assert line in text.tensor_proto.string_val[0].decode()
     assert capsys.readouterr().out.count(f"tensorboard --logdir {logger.log_dir}") == 1
+
+
+def test_stop_alert_is_one_log_line_saying_training_stopped(tmp_path, caplog, one_thread):
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(tmp_path, Private(bug="no-noise"), callback=DPAuditCallback(alert="stop", seed=0))
+    assert not [w for w in caught if "DP AUDIT VIOLATION" in str(w.message)]
+    records = [r.getMessage() for r in caplog.records if "DP AUDIT VIOLATION" in r.getMessage()]
+    assert len(records) == 1 and records[0].startswith("DP AUDIT VIOLATION found at step ")
+    headline, *findings = records[0].splitlines()
+    assert headline.endswith('; training stopped by DPAuditCallback(alert="stop")')
+    assert findings and findings[0].startswith("  - noise_scale: ")
 
 
 def test_a_correct_run_logs_no_alert_and_points_at_tensorboard_once(tmp_path, caplog, capsys, one_thread):
