@@ -46,7 +46,7 @@ def test_a_violation_after_the_last_check_alerts_at_the_end_of_fit(tmp_path, ale
     callback = DPAuditCallback(alert=seen.append if alert == "callable" else alert, seed=0)  # checks every 8 steps
     fit = lambda: _fit(tmp_path, steps=7, callback=callback, module=Private(bug="no-noise"))  # noqa: E731
     if alert == "raise":
-        with pytest.raises(PrivacyViolationError, match="DP AUDIT VIOLATION at step"):
+        with pytest.raises(PrivacyViolationError, match=r"DP AUDIT VIOLATION found at step 7 \(first violating step [1-6]\)"):
             fit()
         assert not hasattr(callback.auditor.optimizer, "_dpaudit_auditor")  # left as it was
     elif alert == "warn":
@@ -58,6 +58,7 @@ def test_a_violation_after_the_last_check_alerts_at_the_end_of_fit(tmp_path, ale
     assert callback.alerted and len(seen) == (alert == "callable")
     report = load_report(tmp_path)["result"]  # written whatever the alert does
     assert report["violation"] and report["first_violation_step"] < 7 and report["steps"] == 7
+    assert report["detected_step"] == 7  # found at the end of fit's check
 
 
 def test_the_last_observed_step_checks(tmp_path):

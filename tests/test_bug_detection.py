@@ -89,8 +89,10 @@ def test_correlated_noise_is_flagged_with_its_lag_and_correlation(options, withi
     assert "noise momentum" in finding.message and "fix: draw every step's noise fresh" in finding.message
     from lightning_dpaudit.analysis.results import violation_message
 
-    assert violation_message(result).startswith(f"DP AUDIT VIOLATION at step {step}: noise_correlated: the noise of step {step} is "
-                                                f"correlated with step {step - lag}'s, {lag} step")
+    assert violation_message(result).startswith(
+        f"DP AUDIT VIOLATION found at step {result.detected_step} (first violating step {step}): noise_correlated: the noise "
+        f"of step {step} is correlated with step {step - lag}'s, {lag} step")
+    assert step <= result.detected_step <= result.steps
 
 
 def test_antithetic_noise_is_flagged_as_a_negated_repeat_within_10_steps(one_thread):

@@ -11,11 +11,19 @@ Markers, each an HTML comment on its own line before the fence (blank lines betw
                                    continues), in the same namespace; the text before it says so
     <!-- skip: next "REASON" -->   not run (the marker tests/test_docs.py's Sybil reads too), for
                                    blocks that need several processes, GPUs or packages not installed
+    <!-- verdict: OK -->           the verdict the page states for the audits the block (with what it
+                                   continues) runs: OK or VIOLATION, for every one of them
 
 A block that no later block continues is one test, named by its page and line; a named block
 runs inside the tests of the blocks that continue it. Blocks marked not run are skipped tests
 with their reason (listed by `-ra`). Invisible set-up (`<!-- invisible-code-block: ... -->`)
 is refused.
+
+Each run also records the audits it makes: every PrivacyAuditor that audited a step (the callback's
+included) and the last final-model audit of every FinalModelCanaries. A run with audits must end in
+the verdict its block's `verdict:` marker states (OK: no violation in any of them; VIOLATION: one in
+each), and a run with audits and no such marker fails: a recipe's verdict is tested, not only that
+it runs.
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ TIMEOUT = 120  # seconds for one block and the blocks it continues (each is mean
 PYTHON = {"python", "py", "python3"}  # fence languages that are Python code (```pycon is tests/test_docs.py's)
 
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
-MARKER = re.compile(r"^\s*<!--\s*(?P<key>name|continues|skip)\s*:\s*(?P<value>.*?)\s*-->\s*$")
+MARKER = re.compile(r"^\s*<!--\s*(?P<key>name|continues|skip|verdict)\s*:\s*(?P<value>.*?)\s*-->\s*$")
+VERDICTS = ("OK", "VIOLATION")
 SKIP_NEXT = re.compile(r'^next\s+"(?P<reason>[^"]+)"$')
 COMMENT = re.compile(r"^\s*<!--.*-->\s*$")
 INVISIBLE = re.compile(r"^\s*<!--+\s*invisible-code-block")  # as Sybil reads it: at a line's start
@@ -51,6 +60,7 @@ class Block:
     name: Optional[str] = None
     continues: Optional[str] = None
     skip: Optional[str] = None  # the reason it is not run
+    verdict: Optional[str] = None  # OK or VIOLATION: what the page says its audits end in
     errors: List[str] = field(default_factory=list)
 
     @property
@@ -98,6 +108,8 @@ def parse(page: str, text: str) -> List[Block]:
                         block.errors.append(f'line {at}: write `<!-- skip: next "the reason" -->`')
                     else:
                         block.skip = reason["reason"]
+                elif key == "verdict" and value not in VERDICTS:
+                    block.errors.append(f"line {at}: the verdict is one of {', '.join(VERDICTS)}, not {value!r}")
                 else:
                     setattr(block, key, value)
             blocks.append(block)
@@ -253,16 +265,82 @@ def test_a_fragment_without_its_marker_fails(runner, tmp_path):
         run_blocks(runner, [Block("README.md", 9, "import signal\nsignal.raise_signal(signal.SIGALRM)\n")], tmp_path)
 
 
+AUDITED = """from torch.utils.data import DataLoader
+from lightning_dpaudit import PrivacyAuditor, digits_dataset, make_private_digits, train_steps
+
+model, optimizer, loader, _ = make_private_digits(seed=0)
+correct = PrivacyAuditor(optimizer, seed=0)
+train_steps(model, optimizer, loader, 2)
+correct.detach()
+shuffled = DataLoader(digits_dataset(), batch_size=64, shuffle=True)  # never made private: a sampling violation
+wrong = PrivacyAuditor(optimizer, seed=0, data_loader=shuffled)
+train_steps(model, optimizer, shuffled, 2)
+unused = PrivacyAuditor(make_private_digits(seed=1)[1])  # audits no step: no verdict
+"""
+
+
+def test_a_runs_audits_must_end_in_the_verdict_its_page_states(runner, tmp_path):
+    """The check itself: each audit that audited a step is recorded with its verdict, in order; a run with
+    audits and no `verdict:` marker fails, and so does one whose audits end otherwise than the marker says."""
+    found = run_blocks(runner, [Block("README.md", 1, AUDITED)], tmp_path)
+    assert found == [["step", "OK"], ["step", "VIOLATION"]]
+    with pytest.raises(pytest.fail.Exception, match=r"README.md:1 ends in step audit OK, step audit VIOLATION but states no verdict"):
+        check_verdicts([Block("README.md", 1, AUDITED)], found)
+    with pytest.raises(pytest.fail.Exception, match=r"README.md:1: the page states OK, the run ends in step audit OK, step audit VIOLATION"):
+        check_verdicts([Block("README.md", 1, AUDITED, verdict="OK")], found)
+    with pytest.raises(pytest.fail.Exception, match=r"README.md:1 states the verdict OK, but no audit of its run audited anything"):
+        check_verdicts([Block("README.md", 1, "x = 1\n", verdict="OK")], [])
+    check_verdicts([Block("README.md", 1, AUDITED, verdict="VIOLATION")], [["step", "VIOLATION"], ["final model", "VIOLATION"]])
+    marked = parse("page.md", "<!-- verdict: OK -->\n\n```python\nx = 1\n```\n\n<!-- verdict: fine -->\n```python\nx = 2\n```\n")
+    assert [(b.verdict, b.errors) for b in marked] == [
+        ("OK", []), (None, ["line 7: the verdict is one of OK, VIOLATION, not 'fine'"]),
+    ]
+
+
 # One process per test module imports torch, Lightning, Opacus and the package once, then forks a child
 # per run: the child's namespace is a fresh script's, without paying ~5 s of imports for every block.
 SERVER = r"""
-import json, os, signal, sys, traceback
+import functools, json, os, signal, sys, traceback
 import matplotlib
 matplotlib.use("Agg")
 import opacus, pytorch_lightning, torch
 import lightning_dpaudit
 for name in lightning_dpaudit.__all__:
     getattr(lightning_dpaudit, name)
+
+
+def recording():  # the audits the blocks make, in order: ("step", auditor), ("final model", canaries, [its last result])
+    from lightning_dpaudit import FinalModelCanaries, PrivacyAuditor
+
+    audits, init, audit = [], PrivacyAuditor.__init__, FinalModelCanaries.audit
+
+    @functools.wraps(init)  # the same signature: DPAuditCallback reads PrivacyAuditor's options from it
+    def recorded_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        audits.append(("step", self))
+
+    def recorded_audit(self, *args, **kwargs):
+        result = audit(self, *args, **kwargs)
+        last = next((entry[2] for entry in audits if entry[1] is self), None)
+        if last is None:
+            last = []
+            audits.append(("final model", self, last))
+        last[:] = [result]  # the end of fit's audit comes last
+        return result
+
+    PrivacyAuditor.__init__, FinalModelCanaries.audit = recorded_init, recorded_audit
+    return audits
+
+
+def verdicts(audits):  # [kind, "OK" or "VIOLATION"] of each audit that audited something
+    found = []
+    for kind, audit, *last in audits:
+        result = audit.result() if kind == "step" and audit.steps else last[0][0] if last else None
+        if result is not None:
+            found.append([kind, "VIOLATION" if result.violation else "OK"])
+    return found
+
+
 print("ready", flush=True)
 for request in sys.stdin:
     directory, timeout, sources = json.loads(request)
@@ -274,11 +352,14 @@ for request in sys.stdin:
         os.dup2(output, 1)
         os.dup2(output, 2)
         signal.alarm(timeout)  # its default action ends the child, even inside C code
+        audits = recording()
         namespace = {"__name__": "__main__"}
         status = 0
         try:
             for path, line, code in sources:
                 exec(compile("\n" * line + code, path, "exec"), namespace)
+            with open("verdicts.json", "w") as out:
+                json.dump(verdicts(audits), out)
         except BaseException:
             traceback.print_exc()
             status = 1
@@ -302,9 +383,10 @@ def runner():
     server.stdout.close()
 
 
-def run_blocks(runner, blocks: List[Block], directory: Path) -> None:
+def run_blocks(runner, blocks: List[Block], directory: Path) -> list:
     """Run the blocks in one namespace in a new process, their line numbers the page's (a traceback points
-    at the page's line); fails the test with the end of the output if the run fails or takes too long."""
+    at the page's line); fails the test with the end of the output if the run fails or takes too long.
+    Returns [kind, verdict] of each audit the run made ("step" or "final model", "OK" or "VIOLATION")."""
     __tracebackhide__ = True
     sources = [(str(ROOT / b.page), b.line, b.code) for b in blocks]
     runner.stdin.write(json.dumps([str(directory), TIMEOUT, sources]) + "\n")
@@ -319,6 +401,25 @@ def run_blocks(runner, blocks: List[Block], directory: Path) -> None:
         pytest.fail(f"{blocks[-1].id} did not finish in {TIMEOUT} s (ran: {ran}):\n{tail}", pytrace=False)
     if code != 0:
         pytest.fail(f"{blocks[-1].id} failed (ran: {ran}):\n{tail}", pytrace=False)
+    return json.loads((directory / "verdicts.json").read_text())
+
+
+def stated_verdict(blocks: List[Block]) -> Optional[str]:
+    """The verdict the page states for a run of `blocks`: the last `verdict:` marker among them."""
+    return next((b.verdict for b in reversed(blocks) if b.verdict is not None), None)
+
+
+def check_verdicts(blocks: List[Block], found: list) -> None:
+    """The audits of a run end in the verdict the page states; a run with audits states one."""
+    __tracebackhide__ = True
+    stated, audits = stated_verdict(blocks), ", ".join(f"{kind} audit {verdict}" for kind, verdict in found)
+    if found and stated is None:
+        pytest.fail(f"{blocks[-1].id} ends in {audits} but states no verdict: say it on the page and mark the block "
+                    "`<!-- verdict: OK -->` (or VIOLATION)", pytrace=False)
+    if stated is not None and not found:
+        pytest.fail(f"{blocks[-1].id} states the verdict {stated}, but no audit of its run audited anything", pytrace=False)
+    if any(verdict != stated for _, verdict in found):
+        pytest.fail(f"{blocks[-1].id}: the page states {stated}, the run ends in {audits}", pytrace=False)
 
 
 @pytest.mark.parametrize("block", LEAVES, ids=[block.id for block in LEAVES])
@@ -326,7 +427,8 @@ def test_block_runs(block, runner, tmp_path):
     __tracebackhide__ = True
     if block.skip is not None:
         pytest.skip(f"{block.id}: not run: {block.skip}")
-    run_blocks(runner, chain(block), tmp_path)
+    blocks = chain(block)
+    check_verdicts(blocks, run_blocks(runner, blocks, tmp_path))
 
 
 def test_input_canaries_import_from_the_package():

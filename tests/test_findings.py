@@ -251,7 +251,8 @@ def test_input_canaries_name_a_noise_repeat():
 def test_alert_and_failure_messages_carry_the_findings():
     result = audit_optimizer(bug="mean-sensitivity", steps=100, expect_violation=True)
     first, cause = violation_message(result).splitlines()
-    assert first.startswith("DP AUDIT VIOLATION at step 1: noise_scale: noise std 0.0")  # the verdict and the cause first
+    assert first.startswith("DP AUDIT VIOLATION found at step ") and "(first violating step 1): noise_scale: noise std 0.0" in first
+    assert first.index("noise_scale") < first.index("; epsilon >= ")  # the verdict and the cause first
     assert "; epsilon >= " in first and "; per-step mu lower bound" in first  # the numbers after
     assert cause.startswith("  - noise_scale: noise std 0.0") and "calibrated to C/B" in cause
     with pytest.raises(PrivacyAuditFailure, match=r"leaks more than it claims: .*\n  - clipped_sum: .*\n  - canary_clipping: "

@@ -114,6 +114,20 @@ def test_a_final_model_result_prints_its_summary_lines():
     assert repr(result).startswith("FinalModelResult(epoch=3")
 
 
+def test_a_final_model_result_names_only_the_epoch_and_step_it_was_given():
+    """A plain loop's audit gives neither: its first line names no "epoch None"; the callback's gives both."""
+    from lightning_dpaudit.analysis.final_model import audit_final_model
+
+    rng = np.random.default_rng(0)
+    included = rng.random(200) < 0.5
+    scores = {"loss": rng.normal(size=200)}
+    plain = str(audit_final_model(scores, included, delta=1e-5, kind="ood")).splitlines()[0]
+    assert plain.startswith("Final model (200 ood canaries, ") and plain.endswith(" trained on): OK: within the claim")
+    assert "None" not in plain
+    both = str(audit_final_model(scores, included, delta=1e-5, kind="ood", epoch=2, step=60)).splitlines()[0]
+    assert " trained on; epoch 2, step 60): " in both
+
+
 def test_the_auditor_summary_is_the_printed_result():
     import torch
 

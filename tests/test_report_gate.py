@@ -107,6 +107,7 @@ class _Result:
         self.mu_lower_bound_anytime, self.confidence, self.mu_claimed = 0.1, 0.95, 1.0
         self.epsilon_lower_bound, self.epsilon_accountant = 0.1, 1.0
         self.violating_layers, self.steps, self.first_violation_step, self.findings = (), 4, None, ()
+        self.detected_step = None
 
 
 def _failing_audit(monkeypatch, violation):

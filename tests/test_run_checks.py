@@ -135,9 +135,10 @@ def test_a_loader_never_made_private_is_flagged_at_attach_with_the_epsilon_of_it
     assert result.epsilon_sampling == pytest.approx(expected.get_epsilon(delta=1e-5), rel=1e-9)
     assert result.epsilon_sampling > result.epsilon_accountant
     assert summary_table({"result": result.to_dict()}).startswith(
-        "VIOLATION: the accountant's epsilon does not describe this run (sampling); first at step 0")
+        "VIOLATION: the accountant's epsilon does not describe this run (sampling); found at step 0 (first violating step 0)")
     assert "epsilon, sampling used" in str(result)
-    assert verdict_title(result).startswith("VIOLATION at step 0: the accountant's epsilon does not describe this run")
+    assert verdict_title(result).startswith("VIOLATION found at step 0 (first violating step 0): the accountant's epsilon does "
+                                            "not describe this run")
 
 
 def test_a_weighted_sampler_has_no_valid_epsilon():

@@ -160,8 +160,9 @@ def summary_lines(final_model: dict) -> list:
     fm = final_model
     claim = fm.get("accountant_epsilon")
     verdict = "VIOLATION: the released model leaks beyond the claim" if fm.get("violation") else "OK: within the claim"
-    lines = [f"Final model ({fm.get('num_canaries')} {fm.get('kind') or ''} canaries, {fm.get('num_included')} trained on; "
-             f"epoch {fm.get('epoch')}): {verdict}"]
+    when = ", ".join(f"{key} {fm[key]}" for key in ("epoch", "step") if fm.get(key) is not None)  # those the audit was given
+    lines = [f"Final model ({fm.get('num_canaries')} {fm.get('kind') or ''} canaries, {fm.get('num_included')} trained on"
+             f"{'; ' + when if when else ''}): {verdict}"]
     for name, label in LABELS.items():
         b = (fm.get("bounds") or {}).get(name)
         if not b:

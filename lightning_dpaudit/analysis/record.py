@@ -48,6 +48,7 @@ MAX_PROBLEMS = 256
 RECORD = Section(
     "record",
     Field("alerted", "bool", optional=True, since=2),
+    Field("detected", "int", low=0, null=True, optional=True),  # absent from states written before it was kept
     Field("failed", "str", null=True, optional=True, since=2),
     Field("correlation", CORRELATION, optional=True, since=2),
     Field("fingerprints", FINGERPRINTS),
@@ -90,6 +91,7 @@ class AuditRecord:
         self.correlation = NoiseCorrelation(SENTINELS, lags=LAGS, alpha=fresh_alpha)
         self.problems: List[Finding] = []
         self.alerted = False  # the alarm was given
+        self.detected: Optional[int] = None  # the step count at the check that gave it
         self.failed: Optional[str] = None  # the first error of the audit's own code, when there was one
         self.scopes: dict = {}  # finding code -> the scope its check declares (declare)
 
@@ -148,6 +150,7 @@ class AuditRecord:
     def state_dict(self) -> dict:
         return RECORD.dump({
             "alerted": self.alerted,
+            "detected": self.detected,
             "failed": self.failed,
             "correlation": self.correlation.state_dict(),
             "fingerprints": self.fingerprints.state_dict(),
@@ -159,6 +162,7 @@ class AuditRecord:
     def load_state_dict(self, state: dict) -> None:
         """Restore each part of a state RECORD.check passed; a part that cannot be read raises ValueError naming it."""
         self.alerted, self.failed = bool(state.get("alerted", False)), state.get("failed")
+        self.detected = state.get("detected")
         parts = [("fingerprints", self.fingerprints), ("log", self.log), ("monitor", self.monitor)]
         if "correlation" in state:  # a 0.1.0 state, saved before the correlation test: its window starts afresh
             parts.append(("correlation", self.correlation))

@@ -16,7 +16,7 @@ from scipy.stats import norm
 
 from .final_model import histogram_panel
 from .formatting import as_number as _num
-from .results import DOES_NOT_DESCRIBE, pipeline_codes
+from .results import DOES_NOT_DESCRIBE, pipeline_codes, violation_moment
 from .summary import summary_table  # noqa: F401  (its home is summary.py; imported from here too)
 
 JSON_NAME = "audit_report.json"
@@ -216,12 +216,14 @@ def _top(values) -> float:
 
 
 def verdict_title(result) -> str:
-    """The figure's title: the verdict, then both epsilons at delta ("VIOLATION: epsilon >= 12.3 (empirical lower
-    bound) vs 2.1 (accountant) at delta = 1e-05"). `result` is an AuditResult or its dict."""
+    """The figure's title: the verdict, when it was found, then both epsilons at delta ("VIOLATION found at step 8
+    (first violating step 1): epsilon >= 12.3 (empirical lower bound) vs 2.1 (accountant) at delta = 1e-05").
+    `result` is an AuditResult or its dict."""
     r = result.to_dict() if hasattr(result, "to_dict") else dict(result.get("result", result))
     verdict = "VIOLATION" if r.get("violation") else "OK"
-    first = r.get("first_violation_step")
-    where = f" at step {first}" if verdict == "VIOLATION" and first is not None else ""
+    first, detected = r.get("first_violation_step"), r.get("detected_step")
+    where = "" if verdict == "OK" or first is None else f" ({violation_moment(first, None)})" if detected is None else \
+        f" {violation_moment(first, detected)}"
     pipeline = pipeline_codes(r.get("findings"))
     if pipeline:
         return f"VIOLATION{where}: {DOES_NOT_DESCRIBE} ({', '.join(pipeline)})"

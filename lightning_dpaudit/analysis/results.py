@@ -70,6 +70,11 @@ class AuditResult:
                           observations or of a tensor exceeded its claim; a correct
                           implementation shows this with probability <= 1 - confidence
     violating_layers      names of tensors whose own test fired ("pooled" for the pool)
+    first_violation_step  the first step the violation concerns (the monitor tests after every step, and a
+                          set-up problem names the step it was found at); None without a violation
+    detected_step         the step count at the check that gave the alarm: first_violation_step or up to
+                          check_every - 1 steps later; None without a violation or before the alarm was given
+                          (under several processes it waits for the next check)
     epsilon_step_lower_bound, epsilon_step_claimed: per-step epsilons at `delta` (Eq. 6)
     noise_repeats         steps whose noise repeated an earlier step's (should be 0);
                           first_noise_repeat = (step, the earlier step it repeats) of the first
@@ -121,6 +126,7 @@ class AuditResult:
     pipeline: str = ""
     epsilon_sampling: float = math.nan
     checks_stopped: Tuple[Tuple[str, str], ...] = ()
+    detected_step: Optional[int] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -146,12 +152,24 @@ def pipeline_codes(findings) -> list:
     return list(dict.fromkeys(c for c, scope in found if c in PIPELINE_CODES or scope == "pipeline"))
 
 
+def violation_moment(first_step: Optional[int], detected_step: Optional[int]) -> str:
+    """When a violation was seen: "found at step 8 (first violating step 1)", or "first violating step 1" while
+    no alarm was given (and in reports written before the detection step was recorded); "" without one."""
+    if first_step is None:
+        return ""
+    if detected_step is None:
+        return f"first violating step {first_step}"
+    return f"found at step {detected_step} (first violating step {first_step})"
+
+
 def violation_message(r: AuditResult) -> str:
     """The alert: one headline (the verdict and the cause first, the numbers after), then one line per finding.
 
-    The headline reads "DP AUDIT VIOLATION at step 6: noise_scale: noise std ...; epsilon >= 12.3 vs accountant
-    2.1 (delta 1e-05); per-step mu lower bound ...; violating: ...": the cause is the first finding's code and
-    sentence (the alarm's own numbers where there is no finding).
+    The headline reads "DP AUDIT VIOLATION found at step 8 (first violating step 6): noise_scale: noise std ...;
+    epsilon >= 12.3 vs accountant 2.1 (delta 1e-05); per-step mu lower bound ...; violating: ...": the step of the
+    check that gave the alarm (the result's step count where it has no detection step yet: the alert is made at
+    that check) and the first step that violated; the cause is the first finding's code and sentence (the
+    alarm's own numbers where there is no finding).
     """
     return _violation_line(r) + "".join(f"\n  - {f.code}: {f.message}" for f in r.findings)
 
@@ -187,4 +205,5 @@ def _violation_line(r: AuditResult) -> str:
     numbers.append(f"violating: {', '.join(r.violating_layers)}")
     if repeat and (first is None or f"step {repeat[0]}" not in first.message):
         numbers.append(f"the noise of step {repeat[0]} repeats step {repeat[1]}'s")
-    return f"{VERDICT} at step {r.first_violation_step}: {cause}; " + "; ".join(numbers)
+    moment = violation_moment(r.first_violation_step, r.steps if r.detected_step is None else r.detected_step)
+    return f"{VERDICT} {moment}: {cause}; " + "; ".join(numbers)

@@ -8,7 +8,7 @@ import math
 from .final_model import summary_lines as final_model_lines
 from .formatting import as_number as _num
 from .formatting import fixed as _f
-from .results import DIVERGED, DOES_NOT_DESCRIBE, pipeline_codes
+from .results import DIVERGED, DOES_NOT_DESCRIBE, pipeline_codes, violation_moment
 
 
 def summary_table(report: dict) -> str:
@@ -17,8 +17,8 @@ def summary_table(report: dict) -> str:
     bad = list(r.get("violating_layers") or [])
     pipeline = pipeline_codes(r.get("findings"))
     if r.get("violation"):
-        first = r.get("first_violation_step")
-        where = f"; first at step {first}" if first is not None else ""
+        moment = violation_moment(r.get("first_violation_step"), r.get("detected_step"))
+        where = f"; {moment}" if moment else ""
         verdict = f"VIOLATION: leak beyond the claim {_violating(bad)}{where}"
         if pipeline:
             verdict = f"VIOLATION: {DOES_NOT_DESCRIBE} ({', '.join(pipeline)}){where}"

@@ -261,6 +261,7 @@ class PrivacyAuditor:
         self.results.claim = replace(self.results.claim, noise_multiplier=mechanism.noise_multiplier)
 
     def _alarm(self) -> None:
+        self.record.detected = self.steps  # the step the alarm is given at, for the alert and every summary
         result = self.result()
         with self.pipeline.delivering():  # given from here; what on_violation raises is passed on
             if self.on_violation is not None:
@@ -292,9 +293,10 @@ class PrivacyAuditor:
         stopped = "" if diverged is None else f"; stopped: training diverged at step {diverged}"
         notes = tuple(f"{code}: {message}" for code, message in self.notes + self.checks.notes())
         data_path, pipeline = self.checks.status(DATA_PATH) or "off", self.checks.status(PIPELINE)
-        return replace(result, audit_failed=self.record.failed, data_path=data_path + stopped,
-                       pipeline=pipeline + stopped, epsilon_sampling=self.sampling_epsilon(),
-                       checks_stopped=self.checks.stopped_checks(), notes=notes)  # stopped last: asking may stop one
+        return replace(result, audit_failed=self.record.failed, detected_step=self.record.detected,
+                       data_path=data_path + stopped, pipeline=pipeline + stopped,
+                       epsilon_sampling=self.sampling_epsilon(), notes=notes,
+                       checks_stopped=self.checks.stopped_checks())  # stopped last: asking may stop one
 
     def _evidence(self, anytime: dict):
         return self.results.evidence(self.record, self.layer_names, anytime)

@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional, Union
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.loggers import TensorBoardLogger
-from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
-from ..engine.auditor import PrivacyAuditor
+from ..engine.auditor import PrivacyAuditor, PrivacyViolationWarning
 from ..engine.kinds.input_canaries import show_progress
 from ..engine.checks.runner import check_checks
 from ..engine.options import SETTINGS, check_accountant, check_settings, flag, integer, one_argument_callable, real
@@ -38,7 +38,7 @@ from .trainer_lookup import (
 from ..analysis.results import AuditResult, violation_message
 
 ALERTS = ("warn", "raise", "stop")
-LOG = logging.getLogger("lightning_dpaudit")  # the alert's one line (warn and stop), at WARNING
+LOG = logging.getLogger("lightning_dpaudit")  # the alert's one line under alert="stop", at WARNING
 ALERT_TAG = "dpaudit/alert"  # the alert's line as TensorBoard text
 
 
@@ -82,11 +82,13 @@ class PrivacyViolationError(RuntimeError):
 class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
     """Audit the Trainer's Opacus DPOptimizer while it trains.
 
-    alert: "warn" (one warning), "raise" (PrivacyViolationError), "stop" (end training
-    cleanly) or a callable receiving the AuditResult; each fires once. "warn" and "stop" also
-    log the alert's headline ("DP AUDIT VIOLATION at step N: <cause>; <numbers>") as one line
-    through the `logging` logger "lightning_dpaudit" and, with a TensorBoard logger, as text
-    under "dpaudit/alert"; the warning is attributed to the user's code that runs the Trainer.
+    alert: "warn" (one PrivacyViolationWarning), "raise" (PrivacyViolationError), "stop" (end
+    training cleanly) or a callable receiving the AuditResult; each fires once. "warn" is one
+    line, "DP AUDIT VIOLATION found at step N (first violating step M): <cause>; <numbers>",
+    attributed to the user's code that runs the Trainer (the findings on the lines below it);
+    "stop" logs that line, and that training stopped, through the `logging` logger
+    "lightning_dpaudit". Both also write it, with a TensorBoard logger, as text under
+    "dpaudit/alert".
     logging_budget: the share of wall time the epsilon curves and figures may take; the
     accountant's epsilon (slow with PRV) and the trade-off figure are skipped at a log
     step when they would exceed it, and logged at the next step that fits.
@@ -261,7 +263,7 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
         if final.violation and not self.alerted:
             if self.alert == "raise":
                 raise PrivacyViolationError(final.violation_message())
-            rank_zero_warn(final.violation_message(), category=UserWarning)
+            rank_zero_warn(final.violation_message(), category=PrivacyViolationWarning)
 
     # ------------------------------------------------------------------ alerts
 
@@ -280,26 +282,27 @@ class DPAuditCallback(AuditLogging, AuditCheckpointing, Callback):
         if callable(self.alert):
             self.alert(result)
         elif self.alert == "warn":
-            self._announce(message, result.steps)
-            _warn_at_user_code(message, UserWarning)
+            self._announce(message, result.steps, log=False)  # the warning is the one line shown
+            _warn_at_user_code(message, PrivacyViolationWarning)
         elif self.alert == "raise":
             raise PrivacyViolationError(message)
         else:
             trainer = self._trainer
             if trainer is not None:
                 trainer.should_stop = True
-            self._announce(message, result.steps)
-            rank_zero_info(f"Training stopped by DPAuditCallback: {message}")
+            self._announce(message, result.steps, log=True)
 
     @rank_zero_only
-    def _announce(self, message: str, step: int) -> None:
-        """The alert's headline as one log line, and as TensorBoard text with the findings below it."""
-        headline = message.splitlines()[0]
-        LOG.warning(headline)
+    def _announce(self, message: str, step: int, *, log: bool) -> None:
+        """The alert's headline as TensorBoard text with the findings below it, and with `log` as one log record:
+        the headline saying that training stops, the findings below it."""
+        headline, *findings = message.splitlines()
+        if log:
+            LOG.warning("\n".join([f"{headline}; training stopped by DPAuditCallback(alert=\"stop\")", *findings]))
         trainer = self._trainer
         for logger in trainer.loggers if trainer is not None else ():
             if isinstance(logger, TensorBoardLogger):
-                text = "**" + headline + "**" + "".join(f"\n\n{line.strip()}" for line in message.splitlines()[1:])
+                text = "**" + headline + "**" + "".join(f"\n\n{line.strip()}" for line in findings)
                 logger.experiment.add_text(ALERT_TAG, text, step)
 
     # ------------------------------------------------------------------ faults

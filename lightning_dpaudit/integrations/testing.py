@@ -23,7 +23,7 @@ from .digits import digits_holdout, make_private_digits, train_steps
 from ..engine.kinds.input_canaries import INPUT_KINDS, InputCanaries
 
 HOLDOUT = 256  # digits left out of training for input canaries
-from ..analysis.results import AuditResult
+from ..analysis.results import AuditResult, violation_moment
 
 __all__ = ["BUGS", "AuditIncomplete", "PrivacyAuditFailure", "audit_optimizer", "inject_bug", "list_bugs", "train_audited"]
 
@@ -176,7 +176,7 @@ def _failure_message(label: str, r: AuditResult, expected: bool) -> str:
         f"{label} {verdict}: per-step mu lower bound {r.mu_lower_bound_anytime:.3f} (anytime, "
         f"{r.confidence:.0%}) vs claimed {r.mu_claimed:.3f}; end-to-end epsilon >= {r.epsilon_lower_bound:.3g} "
         f"vs accountant {r.epsilon_accountant:.3g}; violating: {layers}; steps {r.steps}; "
-        f"first alarm at step {r.first_violation_step}"
+        f"{violation_moment(r.first_violation_step, r.detected_step) or 'no alarm'}"
         + "".join(f"\n  - {f.code}: {f.message}" for f in r.findings)
         + (f"\n  the audit failed afterwards ({r.audit_failed}): its record is incomplete" if r.audit_failed else "")
     )
