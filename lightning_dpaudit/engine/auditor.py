@@ -261,7 +261,10 @@ class PrivacyAuditor:
         self.results.claim = replace(self.results.claim, noise_multiplier=mechanism.noise_multiplier)
 
     def _alarm(self) -> None:
-        self.record.detected = self.steps  # the step the alarm is given at, for the alert and every summary
+        # the step the alarm is given at, for the alert and every summary: a finding made during a step (before it
+        # is counted) is detected at that step
+        first = min(self.record.monitor.first_violation.values(), default=0)
+        self.record.detected = max(self.steps, first)
         result = self.result()
         with self.pipeline.delivering():  # given from here; what on_violation raises is passed on
             if self.on_violation is not None:
