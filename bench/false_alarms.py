@@ -121,7 +121,8 @@ def _run_bmm(seed, steps, sigma):
     import torch
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    from lightning_dpaudit import PrivacyAuditor, make_private_digits
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.datasets import make_private_digits
 
     model, optimizer, loader, engine = make_private_digits(noise_multiplier=sigma, seed=10_000 + seed, batch_size=64)
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -33,7 +33,8 @@ CONFIGS = {
 
 
 def digest(config: str, seed: int, steps: int) -> dict:
-    from lightning_dpaudit import PrivacyAuditor, digits_holdout, make_private_digits, train_steps
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.datasets import digits_holdout, make_private_digits, train_steps
 
     private, audit = CONFIGS[config]
     model, optimizer, loader, _ = make_private_digits(seed=seed, holdout=100, **private)

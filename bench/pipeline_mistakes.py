@@ -100,7 +100,7 @@ def outcome(result, steps: int) -> Outcome:
 
 
 def digits() -> TensorDataset:
-    from lightning_dpaudit import digits_dataset
+    from lightning_dpaudit.datasets import digits_dataset
 
     return digits_dataset()
 
@@ -151,7 +151,7 @@ class InputCentering(nn.Module):
 
 
 def cnn() -> nn.Module:
-    from lightning_dpaudit import DigitsCNN
+    from lightning_dpaudit.datasets import DigitsCNN
 
     return DigitsCNN()
 

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from lightning_dpaudit import PrivacyAuditFailure, audit_optimizer
+from lightning_dpaudit.testing import PrivacyAuditFailure, audit_optimizer
 from lightning_dpaudit.integrations.bugs import BUGS
 
 

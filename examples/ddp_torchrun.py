@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, random_split
 
 from lightning_dpaudit import PrivacyAuditor
 from lightning_dpaudit.analysis.report import write_report
-from lightning_dpaudit import DigitsCNN, digits_dataset
+from lightning_dpaudit.datasets import DigitsCNN, digits_dataset
 
 
 def main(steps: int, out: str, bug: str = None) -> None:
@@ -45,7 +45,7 @@ def main(steps: int, out: str, bug: str = None) -> None:
         noise_generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1),
     )
     if bug:
-        from lightning_dpaudit import inject_bug
+        from lightning_dpaudit.testing import inject_bug
 
         inject_bug(optimizer, bug)
     auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=0)  # the same seed on every rank

@@ -79,7 +79,7 @@ def main(steps: int, out: str, bug: str = None) -> None:
         noise_generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1),
     )
     if bug:
-        from lightning_dpaudit import inject_bug
+        from lightning_dpaudit.testing import inject_bug
 
         inject_bug(optimizer, bug, module=model)
     auditor = PrivacyAuditor(optimizer, data_loader=loader, seed=0)  # the same seed on every rank

@@ -30,7 +30,8 @@ from opacus import PrivacyEngine
 from pytorch_lightning.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, DistributedSampler, random_split
 
-from lightning_dpaudit import DPAuditCallback, DigitsCNN, digits_dataset
+from lightning_dpaudit import DPAuditCallback
+from lightning_dpaudit.datasets import DigitsCNN, digits_dataset
 
 
 class PrivateClassifier(pl.LightningModule):
@@ -63,7 +64,7 @@ class PrivateClassifier(pl.LightningModule):
             noise_generator=self.noise_generator,
         )
         if self.hparams.bug:  # for the tests: a broken optimizer the audit must catch
-            from lightning_dpaudit import inject_bug
+            from lightning_dpaudit.testing import inject_bug
 
             inject_bug(optimizer, self.hparams.bug)
         return optimizer

@@ -75,7 +75,7 @@ class ShardedPrivateClassifier(pl.LightningModule):
             noise_generator=self.noise_generator,
         )
         if self.hparams.bug:  # for the tests: a broken optimizer the audit must catch
-            from lightning_dpaudit import inject_bug
+            from lightning_dpaudit.testing import inject_bug
 
             inject_bug(optimizer, self.hparams.bug, module=self.model)
         return optimizer

@@ -25,7 +25,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_dpaudit import DPAuditCallback
 from lightning_dpaudit.app.demo import DigitsDataModule, progress_bar_callbacks
-from lightning_dpaudit import DigitsCNN
+from lightning_dpaudit.datasets import DigitsCNN
 
 
 class PrivateClassifier(pl.LightningModule):

@@ -11,7 +11,8 @@ import argparse
 import torch
 from opacus import PrivacyEngine
 
-from lightning_dpaudit import DigitsCNN, PrivacyAuditor, digits_dataset
+from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit.datasets import DigitsCNN, digits_dataset
 
 
 def main(steps: int) -> None:

@@ -17,17 +17,19 @@ Layers, each importing only from the ones above it:
     app           the `dpaudit` command and its demo
 
 The public API is the names in `__all__`, all imported from here
-(`from lightning_dpaudit import PrivacyAuditor`). Neither `import lightning_dpaudit` nor
+(`from lightning_dpaudit import PrivacyAuditor`), and three modules: `lightning_dpaudit.datasets`
+(the bundled digits), `lightning_dpaudit.testing` (test suites and the bug zoo) and
+`lightning_dpaudit.estimators` (the bounds alone). Neither `import lightning_dpaudit` nor
 `lightning_dpaudit.estimators` imports torch; the torch- and Lightning-based names are
-loaded on first use. Version 0.1.0's flat import paths (`lightning_dpaudit.testing`,
-`lightning_dpaudit.bugs`, `lightning_dpaudit.digits`, ...) still resolve (see _compat).
+loaded on first use. The names that moved from here to those modules still resolve, with a
+DeprecationWarning; version 0.1.0's flat import paths (`lightning_dpaudit.bugs`,
+`lightning_dpaudit.digits`, ...) still resolve too (see _compat).
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 from . import _compat
-from .estimators import EpsilonEstimate, end_to_end_epsilon, epsilon_lower_bound, mu_to_epsilon
 
 __version__ = "0.2.0"
 
@@ -41,7 +43,6 @@ _LAZY = {
     # checks: the defaults, and the interface of your own
     "Check": "engine.checks.base",
     "default_checks": "engine.checks.defaults",
-    "CheckStoppedWarning": "engine.checks.runner",
     # results
     "AuditResult": "analysis.results",
     "LayerAudit": "analysis.results",
@@ -50,27 +51,23 @@ _LAZY = {
     "PrivacyViolationWarning": "engine.auditor",
     "PrivacyViolationError": "integrations.callback",
     "AuditFailedWarning": "engine.pipeline",
+    "CheckStoppedWarning": "engine.checks.runner",
     "AuditStateError": "engine.state",
     # the final-model audit
     "FinalModelCanaries": "engine.final_model",
     "CanaryDataModule": "integrations.final_model_data",
     "FinalModelResult": "analysis.final_model",
-    # the bundled digits, for examples and first runs
-    "DigitsCNN": "integrations.digits",
-    "digits_dataset": "integrations.digits",
-    "digits_holdout": "integrations.digits",
-    "make_private_digits": "integrations.digits",
-    "train_steps": "integrations.digits",
-    # test suites and the bug zoo
-    "inject_bug": "integrations.bugs",
-    "list_bugs": "integrations.bugs",
-    "historical_bug": "integrations.opacus_history",
-    "audit_optimizer": "integrations.testing",
-    "train_audited": "integrations.testing",
-    "PrivacyAuditFailure": "integrations.testing",
 }
 
-__all__ = ["EpsilonEstimate", "end_to_end_epsilon", "epsilon_lower_bound", "mu_to_epsilon", "__version__", *_LAZY]
+# names that moved from the package's root to a module of their own: still found here, with a DeprecationWarning
+MOVED = {
+    **dict.fromkeys(("DigitsCNN", "digits_dataset", "digits_holdout", "make_private_digits", "train_steps"), "datasets"),
+    **dict.fromkeys(("inject_bug", "list_bugs", "historical_bug", "audit_optimizer", "train_audited",
+                     "PrivacyAuditFailure"), "testing"),
+    **dict.fromkeys(("EpsilonEstimate", "end_to_end_epsilon", "epsilon_lower_bound", "mu_to_epsilon"), "estimators"),
+}
+
+__all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .analysis.final_model import FinalModelResult
@@ -83,12 +80,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .engine.kinds.input_canaries import InputCanaries
     from .engine.pipeline import AuditFailedWarning
     from .engine.state import AuditStateError
-    from .integrations.bugs import inject_bug, list_bugs
     from .integrations.callback import DPAuditCallback, PrivacyViolationError
-    from .integrations.digits import DigitsCNN, digits_dataset, digits_holdout, make_private_digits, train_steps
     from .integrations.final_model_data import CanaryDataModule
-    from .integrations.opacus_history import historical_bug
-    from .integrations.testing import PrivacyAuditFailure, audit_optimizer, train_audited
 
 
 def __getattr__(name):
@@ -96,6 +89,13 @@ def __getattr__(name):
         value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value  # later look-ups skip this function
         return value
+    if name in MOVED:
+        import warnings
+
+        where = f"lightning_dpaudit.{MOVED[name]}"
+        warnings.warn(f"`lightning_dpaudit.{name}` moved to `{where}.{name}`: import it from there (the old path "
+                      "will be removed)", DeprecationWarning, stacklevel=2)
+        return getattr(import_module(where), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,6 +1,6 @@
 """Import paths of version 0.1.0, whose modules all sat at the package root.
 
-`import lightning_dpaudit.digits` (or `.testing`, `.bugs`, `.report`, ...) keeps working:
+`import lightning_dpaudit.digits` (or `.bugs`, `.report`, ...) keeps working (`.testing` is a module again):
 the finder below answers an old path with the module at its new place in the layers, the
 same module object under both names.
 """
@@ -16,7 +16,7 @@ MOVED = {
     "analysis": ("findings", "monitor", "noise_fingerprints", "observations", "report", "results"),
     "engine": ("auditor", "distributed", "probe"),
     "engine.kinds": ("canaries", "input_canaries", "input_probe"),
-    "integrations": ("budget", "bugs", "callback", "digits", "testing"),
+    "integrations": ("budget", "bugs", "callback", "digits"),
     "app": ("cli", "demo"),
 }
 OLD_TO_NEW = {f"lightning_dpaudit.{name}": f"lightning_dpaudit.{layer}.{name}" for layer, names in MOVED.items() for name in names}

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dpaudit import PrivacyAuditor, inject_bug
+from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit.testing import inject_bug
 from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")

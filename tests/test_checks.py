@@ -10,9 +10,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_dpaudit import (
-    Check, CheckStoppedWarning, PrivacyAuditor, default_checks, make_private_digits, train_steps,
-)
+from lightning_dpaudit import Check, CheckStoppedWarning, PrivacyAuditor, default_checks
+from lightning_dpaudit.datasets import make_private_digits, train_steps
 
 STEPS = 12
 

@@ -266,7 +266,8 @@ def test_a_fragment_without_its_marker_fails(runner, tmp_path):
 
 
 AUDITED = """from torch.utils.data import DataLoader
-from lightning_dpaudit import PrivacyAuditor, digits_dataset, make_private_digits, train_steps
+from lightning_dpaudit import PrivacyAuditor
+from lightning_dpaudit.datasets import digits_dataset, make_private_digits, train_steps
 
 model, optimizer, loader, _ = make_private_digits(seed=0)
 correct = PrivacyAuditor(optimizer, seed=0)
@@ -462,7 +463,8 @@ def test_the_package_docstring_opens_with_both_ways_to_use_it():
 def test_a_correct_runs_summary_has_its_normalisation_note_on_one_short_line(one_thread):
     """Under Opacus's defaults (loss_reduction="mean") the summary's note is one line naming the page that
     explains it; the result keeps the full text."""
-    from lightning_dpaudit import PrivacyAuditor, make_private_digits, train_steps
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.datasets import make_private_digits, train_steps
 
     model, optimizer, loader, _ = make_private_digits(seed=0)
     auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=0)

@@ -261,7 +261,7 @@ def _tick():
 def test_composing_does_not_show_the_users_once_per_location_warnings_again():
     """warnings.catch_warnings, left, makes Python show every once-per-location warning again; the running
     epsilon is composed at every log step, so it must not use one."""
-    from lightning_dpaudit import end_to_end_epsilon
+    from lightning_dpaudit.estimators import end_to_end_epsilon
 
     end_to_end_epsilon(0.8, delta=1e-5, sample_rate=0.01, steps=200, accountant="prv")  # imports (scipy's and torch's
     # modules use catch_warnings as they load) before the warnings are counted

@@ -17,7 +17,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Subset
 
-from lightning_dpaudit import DPAuditCallback, PrivacyAuditor, make_private_digits
+from lightning_dpaudit import DPAuditCallback, PrivacyAuditor
+from lightning_dpaudit.datasets import make_private_digits
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")

@@ -42,17 +42,27 @@ def test_the_documented_names_are_public():
     documented = {
         "PrivacyAuditor", "DPAuditCallback", "AuditResult", "Finding", "LayerAudit", "FinalModelCanaries",
         "CanaryDataModule", "FinalModelResult", "PrivacyViolationError", "PrivacyViolationWarning",
-        "AuditFailedWarning", "AuditStateError", "audit_optimizer", "train_audited", "PrivacyAuditFailure",
-        "epsilon_lower_bound", "mu_to_epsilon", "end_to_end_epsilon", "EpsilonEstimate",
-        "DigitsCNN", "digits_dataset", "digits_holdout", "make_private_digits", "train_steps", "inject_bug", "list_bugs",
-        "historical_bug",
+        "AuditFailedWarning", "AuditStateError", "InputCanaries", "Check", "default_checks", "CheckStoppedWarning",
     }
-    assert documented <= set(lightning_dpaudit.__all__)
+    assert documented == set(lightning_dpaudit.__all__) - {"__version__"}  # the audit, its checks, results, errors
     from lightning_dpaudit.engine.pipeline import AuditFailedWarning
     from lightning_dpaudit.engine.state import AuditStateError
 
     assert lightning_dpaudit.AuditFailedWarning is AuditFailedWarning
     assert lightning_dpaudit.AuditStateError is AuditStateError
+
+
+@pytest.mark.parametrize("module,names", [
+    ("datasets", ["DigitsCNN", "digits_dataset", "digits_holdout", "make_private_digits", "train_steps"]),
+    ("testing", ["audit_optimizer", "train_audited", "PrivacyAuditFailure", "inject_bug", "list_bugs", "historical_bug"]),
+    ("estimators", ["epsilon_lower_bound", "mu_to_epsilon", "end_to_end_epsilon", "EpsilonEstimate"]),
+])
+def test_names_that_moved_to_a_module_of_their_own_still_resolve_with_a_deprecation_warning(module, names):
+    moved_to = importlib.import_module(f"lightning_dpaudit.{module}")
+    for name in names:
+        with pytest.warns(DeprecationWarning, match=f"`lightning_dpaudit.{name}` moved to `lightning_dpaudit.{module}"):
+            old = getattr(lightning_dpaudit, name)
+        assert old is getattr(moved_to, name) and name not in lightning_dpaudit.__all__
 
 
 @pytest.mark.parametrize("statement", [
