@@ -32,7 +32,11 @@ Error budget: the m interval tests (pooled noise and clipping, and per tensor wh
 are several) share alpha = 1 - confidence, a = alpha / m each (Bonferroni), so a correct
 implementation shows any noise_scale, clipping or layer evidence with probability at
 most alpha; findings are computed only after the alarm fired, which a correct run does
-with probability at most alpha as well. The intervals quoted hold together at the
+with probability at most alpha as well. When the violation comes from another check's
+certain finding alone (the canaries' alarm did not fire), the intervals are tested at
+UNALARMED_SHARE of that budget: on a correct optimizer they then name a cause with
+probability at most UNALARMED_SHARE * alpha, while a blatant bug (clipping left out) is
+still named beside the certain finding. The intervals quoted hold together at the
 audit's confidence. Input canaries' observations have canary-dependent scales and
 in-means below 1, so only noise_repeats and general apply to them. Findings of other
 checks (`extra`) come first and are kept whatever the verdict.
@@ -56,6 +60,7 @@ CODES = ("noise_scale", "clipping", "noise_repeats", "noise_correlated", "layer"
 ROUNDING = 1e-3  # float32 clip factors C / (norm + 1e-6) and sums: a clipped canary adds 1 within this
 SLACK = 1.05  # a hinted ratio may lie this factor outside the interval
 NAMED = 4  # tensors listed by name in a message
+UNALARMED_SHARE = 0.01  # of the error budget, for the intervals after a violation the canaries did not alarm
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,8 @@ class _Interval:
 def diagnose(ev: Evidence, *, violation: bool, first_violation_step: Optional[int] = None, extra: Sequence[Finding] = (),
              canaries_alarmed: bool = True):
     """Findings for a result: `extra` (other checks' findings) first, then, if `violation`, this module's codes.
-    The noise and clipping intervals run only after the canaries' own alarm fired (`canaries_alarmed`): their error
-    bound holds there, not after a violation another check's certain finding set."""
+    The noise and clipping intervals have the whole error budget after the canaries' own alarm fired
+    (`canaries_alarmed`), UNALARMED_SHARE of it after a violation another check's certain finding set alone."""
     found = list(extra)
     if not violation:
         return tuple(found)
@@ -109,8 +114,8 @@ def diagnose(ev: Evidence, *, violation: bool, first_violation_step: Optional[in
         own.append(_repeats(ev))
     if ev.correlation is not None:
         own.append(correlated(ev.correlation))
-    if ev.gradient and ev.correlation is None and canaries_alarmed:  # intervals assume noise independent across steps
-        own += _moment_findings(ev, first_violation_step)
+    if ev.gradient and ev.correlation is None:  # the intervals assume noise independent across steps
+        own += _moment_findings(ev, first_violation_step, 1.0 if canaries_alarmed else UNALARMED_SHARE)
     if not own and not found:
         own.append(_general(ev, first_violation_step))
     return tuple(found + own)
@@ -163,11 +168,12 @@ def _high(iv: Optional[_Interval]) -> bool:
 # ---------------------------------------------------------------------- codes
 
 
-def _moment_findings(ev: Evidence, first_violation_step):
-    """noise_scale, clipping and layer findings from the per-tensor moments (see the module doc)."""
+def _moment_findings(ev: Evidence, first_violation_step, share: float = 1.0):
+    """noise_scale, clipping and layer findings from the per-tensor moments (see the module doc), the tests sharing
+    `share` of the audit's error budget."""
     m, claims = np.asarray(ev.moments, dtype=float), np.asarray(ev.claims, dtype=float)
     tensors = len(ev.names)
-    a = (1.0 - ev.confidence) / (2 + (2 * tensors if tensors > 1 else 0))
+    a = share * (1.0 - ev.confidence) / (2 + (2 * tensors if tensors > 1 else 0))
     everything = list(range(tensors))
     noise = (lambda ts: noise_interval(m[ts], claims[ts], a), _low, lambda named, others: others.low > named.high)
     shift = (lambda ts: shift_interval(m[ts], a), _high, lambda named, others: others.high < named.low)
