@@ -535,3 +535,32 @@ def test_an_error_of_the_run_checks_never_ends_the_training_loop(monkeypatch):
         _train(model, optimizer, loader, 3)
     assert auditor.steps == 3
     assert [name for name, _ in auditor.result().checks_stopped] == ["sampling", "rows per record"]
+
+
+class SequenceFirst(nn.Module):
+    """Inputs (sequence, batch, features), as a text model without batch_first reads them; out: (batch, classes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x).mean(dim=0)
+
+
+def test_sequence_first_data_read_as_batch_first_is_rows_that_are_not_records_not_a_sampling_fault():
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(640, 12, 8), torch.randint(0, 4, (640,)))
+    loader = DataLoader(data, batch_size=64, collate_fn=lambda items: (
+        torch.stack([x for x, _ in items], dim=1), torch.stack([y for _, y in items])))
+    model = SequenceFirst()
+    model, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0)  # batch_first=True (the default) on sequence-first data
+    auditor = PrivacyAuditor(optimizer, module=model, data_loader=loader, seed=0, on_violation=lambda r: None)
+    _train(model, optimizer, loader, 3)
+    result = auditor.result()
+    codes = [f.code for f in result.findings]
+    assert codes[0] == "rows_not_records" and "sampling" not in codes, codes
+    assert "clipped 12 rows at step 1" in result.findings[0].message and "batch_first=False" in result.findings[0].message
+    assert result.findings[0].scope == "pipeline" and "(rows_not_records)" in str(result).splitlines()[0]

@@ -32,6 +32,7 @@ from .base import DOES_NOT_DESCRIBE, RunCheck
 from .dataset_copies import mirrored_finding, scan
 
 CODE = "multiplicity"
+ROWS_NOT_RECORDS = "rows_not_records"
 DEPTH = 4  # attributes followed from a part of a ConcatDataset to what it wraps
 
 
@@ -147,10 +148,11 @@ def repeated_indices(dataset) -> Optional[str]:
 
 class MultiplicityCheck(RunCheck):
     name = "rows per record"
-    codes = (CODE,)
+    codes = (CODE, ROWS_NOT_RECORDS)
 
     def __init__(self):
         self.compared = 0
+        self.shapes: list = []  # the tensor shapes of each batch delivered since the last noised step
         self.fed = False  # batches reach the check (a loader or the callback feeds it)
         self.found = False
         self.dataset_duplicates = 0  # rows of the dataset equal to an earlier row (when it was scanned)
@@ -164,10 +166,16 @@ class MultiplicityCheck(RunCheck):
         if problem is not None:
             self._found(problem, 0)
 
+    def batch(self, batch) -> None:
+        self.shapes.append([tuple(t.shape) for t in batch.tensors])
+
     def step(self, seen) -> None:
         """The rows the optimizer clipped for the step against the records the loader delivered for it."""
         rows, records, step = seen.rows, seen.records, seen.step
+        shapes, self.shapes = self.shapes, []
         self.fed = seen.fed
+        if seen.fed and records is None and rows and not self.found and len(shapes) == 1:
+            self._sequence_first(shapes[0], rows, step)
         if not seen.fed or records is None or not rows:
             return
         self.compared += 1
@@ -175,6 +183,19 @@ class MultiplicityCheck(RunCheck):
             self._found(f"the optimizer clipped {rows} rows at step {step} for the {records} records the loader "
                         f"delivered: a record became several rows (copies made in the step?), each clipped to C, so "
                         f"one record moves the sum by up to {rows / max(records, 1):.3g} C while the noise is for C", step)
+
+    def _sequence_first(self, shapes: list, rows: int, step: int) -> None:
+        """Rows that are not records: the rows clipped are the leading size of the batch's inputs, whose second
+        dimension is the records a one-dimensional tensor of the batch (the targets) counts. Certain."""
+        targets = {s[0] for s in shapes if len(s) == 1 and s[0] != rows}
+        inputs = [s for s in shapes if len(s) >= 2 and s[0] == rows and s[1] in targets]
+        if inputs:
+            self.found = True
+            self.run.note_problem(ROWS_NOT_RECORDS, (
+                f"{DOES_NOT_DESCRIBE}: the optimizer clipped {rows} rows at step {step}, the leading size of the batch's "
+                f"inputs of shape {list(inputs[0])}, whose second dimension holds the {inputs[0][1]} records its targets "
+                "count: the rows are not records (sequence-first data read as batch-first; make_private(..., "
+                "batch_first=False) reads it right), so one record reaches every row, each clipped to C"), step)
 
     def _found(self, message: str, step: int) -> None:
         self.found = True

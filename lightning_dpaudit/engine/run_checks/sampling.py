@@ -160,7 +160,9 @@ class SamplingCheck(RunCheck):
         """The records of the step's batch (all its physical batches): from the loader, else the rows the optimizer
         clipped (one per record when the rows check finds nothing), against the sizes Poisson sampling gives."""
         self.steps = seen.step
-        records = (seen.records if seen.fed else None) or seen.rows
+        # the loader's records; the rows clipped only where no loader feeds the audit (where one does and its
+        # records are unknown, the rows may not be records: no evidence about sampling)
+        records = seen.records if seen.fed else seen.rows
         if self.sizes is not None and not self.found and records:
             refuted = self.sizes.add(records)
             if refuted:
