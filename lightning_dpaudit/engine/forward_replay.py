@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 EPS32 = float(torch.finfo(torch.float32).eps)
+FULL_GRADIENT = 1 << 20  # elements of an output gradient kept whole at a checked step (records of several views)
 
 # A replay's backward pass runs through Opacus's switched-off full backward hooks, and torch warns about them once
 # per location, at the replay's own line: a warning about the audit's internals, not the user's run. Ignored where it
@@ -42,6 +43,7 @@ class Call:
     outputs: dict = field(default_factory=dict)  # output leaf index -> the chosen examples' rows of the output
     autocast: list = field(default_factory=list)  # (device type, dtype) of the autocast regions the forward ran in
     buffers: list = field(default_factory=list)  # the module's buffers before the forward pass (when replays need them)
+    full_grads: dict = field(default_factory=dict)  # output leaf index -> its whole gradient, when small (views.py)
 
 
 def buffer_values(module: torch.nn.Module) -> list:
@@ -125,6 +127,8 @@ def first_gradient(call: Call, j: int, rows: torch.Tensor):
         if j not in call.grads:
             call.grads[j] = grad.detach()[rows].clone()
             call.backward = task()
+            if grad.numel() <= FULL_GRADIENT:  # every row's, for records made of several views (views.py)
+                call.full_grads[j] = grad.detach().clone()
 
     return keep
 

@@ -44,10 +44,12 @@ from .forward_replay import (
     EPS32, Call, buffer_values, captured, keep_output, own_gradients, precision, replay_forward, same_rows,
     set_buffers, sliced, smallest_module_holding, samples_set_aside,
 )
+from .gradient_comparison import coefficient_problem, tensor_problem
 from .sharded_replay import ShardedReplay, module_norms
+from .views import expected_for, groupings
+from .views import why_not as views_refused
 
 RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
-ATOL = 1e-4  # relative to the example's whole gradient norm (one unit roundoff, if larger)
 DEFAULT_EVERY = 100
 DEFAULT_EXAMPLES = 2
 DEFAULT_BUDGET = 0.015  # of the run's wall time; the data path's target is 2%
@@ -81,7 +83,8 @@ class PerSampleCheck(Check):
         self.target: Optional[torch.nn.Module] = None
         self.handles: list = []
         self.calls: List[Call] = []
-        self.checked = 0  # steps whose examples were compared
+        self.checked = 0
+        self.view_records = 0  # the views per record, once records of several views were compared (views.py)  # steps whose examples were compared
         self.eps = EPS32  # the unit roundoff of the lowest precision the last checked step computed in
         self.replays = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
         self.skipped: Optional[str] = None  # why the last due step could not be compared
@@ -116,6 +119,8 @@ class PerSampleCheck(Check):
         skipped = (f"; {self.budget.skipped} due step(s) skipped to keep the checks within {self.budget.share:.1%} of "
                    "the run's time" if self.budget.skipped else "")
         ranks = "; under FSDP each rank its own examples, from the gathered tensors" if self.sharded else ""
+        if self.view_records:
+            ranks += f"; records of {self.view_records} views compared per record"
         return (f"{self.checked} step(s) compared, every {self.every} from step 1: per-sample gradients of "
                 f"{self.examples} real example(s) against plain autograd, and the clipped sum of each batch{skipped}"
                 f"{ranks}")
@@ -229,6 +234,9 @@ class PerSampleCheck(Check):
         held = self._held(call.batch, sum(c.batch for c in calls))
         if held is None:
             return
+        views = call.batch // held_rows(held, call.batch)
+        if views > 1:
+            return self._compare_views(call, held, views, step)
         expected = self._autograd(call)
         gsm = self.module()
         C = float(self.optimizer.max_grad_norm)
@@ -244,6 +252,30 @@ class PerSampleCheck(Check):
             if problem is not None:
                 self.note_problem(CODE, f"{problem} at step {step} (example {int(i)} of the batch)", step)
                 return
+
+    def _compare_views(self, call: Call, held: list, views: int, step: int) -> None:
+        """Records of `views` views each (views.py): the chosen example's record under each grouping tried."""
+        records = call.batch // views
+        self.skipped = views_refused(call, records, self.ghost)
+        if self.skipped is not None:
+            return
+        scale = float(call.batch) if getattr(self.module(), "loss_reduction", "mean") == "mean" else 1.0
+        self.eps = precision([*call.outputs.values(), *[h for h in held if h is not None]],
+                             [dtype for _, dtype in call.autocast])
+        wanted = [p for p in self.params if p.requires_grad]
+        with self._replaying():
+            leaves = self._forward(call, call.args, call.kwargs)
+            for _, record, rows in groupings(int(call.chosen[0]), records, views):
+                found = dict(zip(map(id, wanted), expected_for(leaves, call.full_grads, rows, wanted, scale, views)))
+                grads = [found.get(id(p)) for p in self.params]
+                total = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+                if tensor_problem(self.names, held, record, grads, total, max(RTOL, 4 * self.eps), self.eps,
+                                  False) is None:
+                    self.checked += 1
+                    self.view_records = views
+                    return
+        self.skipped = (f"records of {views} views: neither consecutive views nor view blocks give Opacus's rows at "
+                        f"step {step + 1}, so nothing was compared (the views are grouped another way)")
 
     def _replay_further(self, step: int) -> bool:
         """The further replays (run_checks/coupling.py), hooks off; True if the examples are coupled (nothing to compare)."""
@@ -282,9 +314,17 @@ class PerSampleCheck(Check):
             if isinstance(samples, list):
                 samples = torch.cat(samples, dim=0)
             if samples is not None:
-                if samples.shape[0] not in (batch, stacked):
-                    self.skipped = f"the per-sample gradients hold {samples.shape[0]} rows, the last batch {batch}"
+                rows = samples.shape[0]
+                several_views = not self.sharded and 0 < rows < batch and batch % rows == 0  # views.py
+                if rows not in (batch, stacked) and not several_views:
+                    self.skipped = f"the per-sample gradients hold {rows} rows, the last batch {batch}"
                     return None
+                if several_views and held and any(h is not None and h.shape[0] != rows for h in held):
+                    self.skipped = "the per-sample gradients of the tensors hold different numbers of rows"
+                    return None
+                if several_views:
+                    held.append(samples)
+                    continue
                 samples = samples[samples.shape[0] - batch:]
             held.append(samples)
         return held
@@ -355,41 +395,6 @@ class PerSampleCheck(Check):
         self.handles, self.calls = [], []
 
 
-def tensor_problem(names, held, i: int, grads, total: float, rtol: float, eps: float, ghost: bool) -> Optional[str]:
-    """The first tensor whose per-sample gradient (ghost: norm) of example i is not autograd's, as a sentence."""
-    atol = max(ATOL, eps) * total + 1e-12
-    for name, opacus, exact in zip(names, held, grads):
-        exact_norm = 0.0 if exact is None else float(exact.double().norm())
-        if opacus is None:
-            if exact_norm > atol:
-                return (f"`{name}` reaches the optimizer with a gradient (norm {exact_norm:.4g} for this example) "
-                        "but without a per-sample gradient: its contribution is never clipped")
-            continue
-        if ghost:
-            opacus_norm = float(opacus[i])
-            gap = abs(opacus_norm - exact_norm)
-            what = "per-sample gradient norm (ghost clipping)"
-        else:
-            row = opacus[i].double()
-            opacus_norm = float(row.norm())
-            gap = float((row - (0 if exact is None else exact.double().reshape(row.shape))).norm())
-            what = "per-sample gradient"
-        if gap > rtol * max(opacus_norm, exact_norm) + atol:
-            return (f"Opacus's {what} of `{name}` has norm {opacus_norm:.6g}, plain autograd on the example "
-                    f"alone gives {exact_norm:.6g} (difference {gap:.3g})")
-    return None
-
-
-def coefficient_problem(gsm, i: int, total: float, C: float, rtol: float) -> Optional[str]:
-    """Ghost clipping: the module's coefficient for example i against min(1, C / (norm + 1e-6)), as a sentence."""
-    saved = gsm._per_sample_gradient_norms
-    try:
-        coef = float(gsm.get_clipping_coef()[i])
-    finally:
-        gsm._per_sample_gradient_norms = saved
-    exact = min(1.0, C / (total + 1e-6))
-    if abs(coef - exact) > rtol * max(coef, exact) + 1e-6:
-        leaks = "leaks: the contribution can exceed C" if coef > exact else "clips harder than claimed"
-        return (f"the module's clipping coefficient is {coef:.6g} where min(1, C / norm) with the optimizer's "
-                f"C = {C:g} and the example's gradient norm {total:.6g} gives {exact:.6g} ({leaks})")
-    return None
+def held_rows(held: list, batch: int) -> int:
+    """The rows Opacus holds per tensor for the last batch (`batch` when it holds none)."""
+    return next((int(h.shape[0]) for h in held if h is not None), batch)
