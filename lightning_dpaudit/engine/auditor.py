@@ -305,7 +305,8 @@ class PrivacyAuditor:
         return replace(result, audit_failed=self.record.failed,
                        data_path=self.per_sample_check.status(self.steps) + stopped,
                        pipeline=self.run_checks.status() + stopped, epsilon_sampling=self.run_checks.epsilon(),
-                       notes=tuple(f"{code}: {message}" for code, message in self.notes + self.run_checks.notes()))
+                       notes=tuple(f"{code}: {message}" for code, message in self.notes + self.run_checks.notes())
+                       + result.notes)
 
     def _evidence(self, anytime: dict):
         return self.results.evidence(self.record, self.layer_names, anytime)

@@ -63,8 +63,10 @@ def _gdp_epsilon(sigma: float, q: float, steps: int, delta: float, *, upper: boo
 
     Where Opacus's bracket [0, 500] holds no root (and it raises): 0 when epsilon = 0
     already meets delta; when even epsilon = 500 does not, inf for the accountant
-    (upper=True) and 500 for a lower bound.
+    (upper=True) and 500 for a lower bound. A noise multiplier of 0 is mu = inf: no privacy.
     """
+    if sigma == 0.0:
+        return math.inf if upper else 500.0
     mu = np.sqrt(np.exp(sigma ** (-2)) - 1) * np.sqrt(steps) * q
 
     def excess(eps):
