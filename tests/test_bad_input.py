@@ -666,6 +666,34 @@ def test_a_claim_that_is_not_a_number_is_named_with_its_type(attribute, value, m
     assert _untouched(optimizer)
 
 
+_FEWER_BOUNDS = r"the optimizer's max_grad_norms: 7 bound\(s\) for 8 parameter tensors; per-layer clipping needs one"
+
+
+def test_per_layer_bounds_that_do_not_match_the_tensors_are_refused_at_attach():
+    _, optimizer, _, _ = _private(seed=0, clipping="per_layer")
+    optimizer.max_grad_norms = optimizer.max_grad_norms[:-1]
+    with _pytest.raises(ValueError, match=_FEWER_BOUNDS):
+        _Auditor(optimizer)
+    assert _untouched(optimizer)
+
+
+def test_per_layer_bounds_shortened_mid_run_stop_the_audit_with_a_message_and_the_result_still_reads():
+    """Opacus's own per-layer step cannot run with one bound fewer than tensors (it raises, as without the audit);
+    the audit stops at that step and says why, and result() reads what it saw before."""
+    model, optimizer, loader, _ = _private(seed=0, clipping="per_layer")
+    auditor = _Auditor(optimizer, seed=1, canaries_per_step=64)
+    _train(model, optimizer, loader, 2)
+    optimizer.max_grad_norms = optimizer.max_grad_norms[:-1]
+    try:
+        _train(model, optimizer, loader, 1)
+    except AttributeError:  # Opacus's add_noise: the last tensor was never clipped, so it has no summed_grad
+        pass
+    result = auditor.result()
+    assert re.search(rf"^ValueError: Unexpected value for {_FEWER_BOUNDS}.* at step 3", result.audit_failed)
+    assert result.steps == 2 and len(result.layers) == 8 and not result.violation
+    assert "AUDIT FAILED: ValueError: Unexpected value for the optimizer's max_grad_norms" in str(result)
+
+
 @_pytest.mark.parametrize("argv,message", [
     (["demo", "--no-audit", "--final-model", "50"], r"argument --final-model: not allowed with argument --no-audit"),
     (["demo", "--no-audit", "--final-model"], r"argument --final-model: not allowed with argument --no-audit"),
