@@ -60,6 +60,20 @@ _GOOD = {
     "first_violation_step": None,
 }
 
+_FINAL_MODEL = {
+    "accountant_epsilon": 1.0, "num_canaries": 2, "num_included": 1,
+    "bounds": {"steinke": {"score": "loss", "correct": 1, "guesses_in": 1, "guesses_out": 0, "epsilon": 0.0}},
+}
+
+
+def _deeply_nested(depth: int) -> list:
+    """[[[...[1]...]]]: deeper than numpy's 32 dimensions when depth > 32."""
+    value = [1]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 _DAMAGED = [
     ("", r"not valid JSON .* damaged or truncated"),
     ('{"result": {"violation": fal', r"not valid JSON"),
@@ -80,6 +94,27 @@ _DAMAGED = [
     (json.dumps({"result": _GOOD, "final_model": {"bounds": {"steinke": {
         "score": "loss", "correct": 1, "guesses_in": 1, "guesses_out": 0, "epsilon": "big"}}}}),
      r"`epsilon` is 'big'; expected a number >= 0"),
+    (json.dumps({"result": {**_GOOD, "notes": "the run was fine"}}), r"`notes` is 'the run was fine'; expected a list"),
+    (json.dumps({"result": {**_GOOD, "notes": [3]}}), r"`notes\[0\]` is 3; expected a string"),
+    (json.dumps({"result": {**_GOOD, "data_path": ["per-sample gradients"]}}),
+     r"`data_path` is \['per-sample gradients'\]; expected a string"),
+    (json.dumps({"result": {**_GOOD, "pipeline": 5}}), r"`pipeline` is 5; expected a string"),
+    (json.dumps({"result": {**_GOOD, "epsilon_sampling": "small"}}), r"`epsilon_sampling` is 'small'; expected a number"),
+    (json.dumps({"result": {**_GOOD, "first_noise_repeat": [3]}}), r"`first_noise_repeat` is \[3\]; expected \[step, the"),
+    (json.dumps({"result": {**_GOOD, "findings": [{"code": "x", "message": "y", "first_step": "soon"}]}}),
+     r"`findings\[0\].first_step` is 'soon'; expected a whole number"),
+    (json.dumps({"result": _GOOD, "final_model": {**_FINAL_MODEL, "accountant_epsilon": "1.2"}}),
+     r"the final-model section's `accountant_epsilon` is '1.2'; expected a number"),
+    (json.dumps({"result": _GOOD, "final_model": {**_FINAL_MODEL, "num_canaries": "20"}}),
+     r"the final-model section's `num_canaries` is '20'; expected a whole number"),
+    (json.dumps({"result": _GOOD, "final_model": {**_FINAL_MODEL, "histograms": {"loss": {
+        "edges": [0.0, 1.0], "included": [1, 2], "excluded": [1]}}}}),
+     r"`histograms\['loss'\].included` holds 2 counts for 2 edges; expected 1, one per bin"),
+    (json.dumps({"result": {**_GOOD, "n_in": _deeply_nested(100)}}),
+     r"`n_in` is a list \(\[\[\[\[.*\.\.\.\); expected a whole number"),
+    (json.dumps({"result": _GOOD, "final_model": {**_FINAL_MODEL, "histograms": {"loss": {
+        "edges": [0.0, 1.0], "included": _deeply_nested(40), "excluded": [1]}}}}),
+     r"`histograms\['loss'\].included\[0\]` is a list \(\[\[\[\[.*\.\.\.\); expected a whole number"),
 ]
 
 
