@@ -416,6 +416,13 @@ def test_something_else_than_a_state_is_refused(state, message):
     (lambda s: s.update(fingerprints={"bits": "x"}), r"the audit state is damaged \(`fingerprints`: ValueError"),
     (lambda s: s["log"].update(counts=_np.zeros((3, 3, 3))), r"the audit state is damaged \(`log`: ValueError: observation counts"),
     (lambda s: s["sampler"].update(rng="x"), r"the audit state is damaged \(`sampler` or `pool`"),
+    (lambda s: s["correlation"].update(signs=0.5), r"the audit state is damaged \(`correlation`: ValueError: "
+     r"`correlation.signs` has shape \(\); expected \(3, 128\): a row of sentinel signs per step in the window"),
+    (lambda s: s["correlation"].update(signs=_np.zeros((3, 2, 64))), r"`correlation.signs` has shape \(3, 2, 64\); "
+     r"expected \(3, 128\)"),
+    (lambda s: s["correlation"].update(labels=_np.arange(2)), r"`correlation.labels` has shape \(2,\); expected \(3,\)"),
+    (lambda s: s["correlation"].update(sums=_np.zeros((512, 2))), r"`correlation.sums` has shape \(512, 2\); "
+     r"expected \(512,\): a sum per lag"),
 ])
 def test_a_damaged_state_is_refused_and_the_auditor_left_as_it_was(_saved, corrupt, message):
     state = _copy.deepcopy(_saved)
@@ -423,7 +430,9 @@ def test_a_damaged_state_is_refused_and_the_auditor_left_as_it_was(_saved, corru
     model, optimizer, loader, auditor = _fresh()
     _train(model, optimizer, loader, 2)
     before = auditor.result(accounting=False)
-    with _pytest.raises(ValueError, match=message):
+    from lightning_dpaudit import AuditStateError
+
+    with _pytest.raises(AuditStateError, match=message):
         auditor.load_state_dict(state)
     _assert_unchanged(auditor, before)
     _train(model, optimizer, loader, 1)
