@@ -744,6 +744,11 @@ def test_per_layer_bounds_shortened_mid_run_stop_the_audit_with_a_message_and_th
     (["demo", "--no-audit", "--canaries", "8"], r"argument --canaries: not allowed with argument --no-audit"),
     (["demo", "--no-audit", "--final-model-kind", "blank"], r"argument --final-model-kind: not allowed with argument --no-audit"),
     (["demo", "--final-model-kind", "blank"], r"argument --final-model-kind: needs argument --final-model"),
+    (["demo", "--final-model", "298", "--final-model-kind", "mislabeled"], r"argument --final-model: 298 is above 297 "
+     r"for --final-model-kind mislabeled \(the demo holds 297 digits out of training, one per canary\); use an integer "
+     r"in \[2, 297\]"),
+    (["demo", "--final-model", "--final-model-kind", "crafted"], r"argument --final-model: 500 is above 297 for "
+     r"--final-model-kind crafted"),
     (["demo", "--threads", str(10**6)], rf"--threads: 1000000 is above {4 * (_os.cpu_count() or 1)} \(4 x the \d+ CPUs\)"),
 ])
 def test_cli_refuses_conflicting_flags_and_too_many_threads_with_a_usage_error(argv, message, capsys):
