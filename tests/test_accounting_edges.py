@@ -71,3 +71,72 @@ def re_search(pattern: str, text: str) -> bool:
     import re
 
     return re.search(pattern, text) is not None
+
+
+# ---- long histories: consecutive equal entries are composed once
+
+
+_RUNS = [(1.0, 0.05, 1)] * 40 + [(1.3, 0.05, 2)] * 30 + [(1.0, 0.05, 1)] * 20 + [(1.0, 0.08, 1)] * 10
+
+
+def test_merging_consecutive_equal_entries_keeps_their_order_and_sums_their_steps():
+    from lightning_dpaudit.estimators.live_epsilon import merge_history
+
+    assert merge_history(_RUNS) == [(1.0, 0.05, 40), (1.3, 0.05, 60), (1.0, 0.05, 20), (1.0, 0.08, 10)]
+    assert merge_history([]) == []
+
+
+@pytest.mark.parametrize("kind", ["rdp", "prv"])
+def test_a_merged_history_gives_the_epsilon_of_the_whole_one(kind):
+    """Opacus's own accountant on the 100 entries and on the 4 merged ones: the same composition, the same epsilon
+    (to the last bits of the sums), and the live value (the PRV step grid off) is the merged one's."""
+    from opacus.accountants import create_accountant
+
+    from lightning_dpaudit.estimators.live_epsilon import LiveEpsilon, merge_history
+
+    whole, merged = create_accountant(kind), create_accountant(kind)
+    whole.history, merged.history = list(_RUNS), merge_history(_RUNS)
+    epsilon = whole.get_epsilon(delta=1e-5)
+    assert merged.get_epsilon(delta=1e-5) == pytest.approx(epsilon, rel=1e-9)
+    live = LiveEpsilon(kind, delta=1e-5, prv_steps_resolution=0).accountant_epsilon(_RUNS)
+    assert live == pytest.approx(epsilon, rel=1e-9)
+
+
+def test_the_audit_asks_a_prv_accountant_with_a_long_history_for_the_merged_one():
+    """3,000 entries of one step each (a history restored entry by entry): Opacus's PRV accountant would discretise
+    and compose each (minutes); the audit reports the merged history's epsilon, which is the whole one's."""
+    from opacus.accountants import create_accountant
+
+    auditor, composed = _audited("prv")
+    q = composed.history[-1][1]
+    composed.history = [(1.0, q, 1)] * 3000
+    reference = create_accountant("prv")
+    reference.history = [(1.0, q, 3000)]
+    assert auditor.result().epsilon_accountant == pytest.approx(reference.get_epsilon(delta=1e-5), rel=1e-9)
+
+
+def test_a_prv_composition_too_large_for_memory_is_refused_with_a_note():
+    """300,000 steps at noise multiplier 1: Opacus's PRV accountant would discretise on some 1e8 points (tens of GB)."""
+    auditor, composed = _audited("prv")
+    composed.history = [(1.0, composed.history[-1][1], 1)] * 300_000
+    result = auditor.result()
+    assert math.isnan(result.epsilon_accountant) and math.isnan(result.epsilon_lower_bound)
+    assert re_search(r"accounting: the accountant's epsilon is not available \(nan\): .*ValueError: the PRV accountant "
+                     r"would discretise [\d,]+ steps on .* points, above the bound of 8,388,608 points",
+                     "\n".join(result.notes))
+
+
+def test_the_scaled_rdp_lower_bound_from_the_vectorized_curves_stays_below_opacus_and_close_to_it():
+    """Under a claim that changed, every entry at sigma_t / ratio: composed from the lowered vectorized curves, never
+    above Opacus's RDP epsilon of the same entries and within the ratio's rounding (0.1%) of it."""
+    from opacus.accountants import RDPAccountant
+
+    from lightning_dpaudit.estimators.live_epsilon import LiveEpsilon
+
+    history = [(1.0 * 1.02 ** k, 0.036, 1 + k % 3) for k in range(250)]
+    ratio = 1.7
+    exact = RDPAccountant()
+    exact.history = [(s / ratio, q, n) for s, q, n in history]
+    reference = exact.get_epsilon(delta=1e-5)
+    lower = LiveEpsilon("rdp", delta=1e-5).lower_bound_epsilon_scaled(ratio, history)
+    assert reference * 0.99 < lower <= reference

@@ -24,7 +24,8 @@ import numpy as np
 
 from .. import estimators as est
 from ..estimators.changing_claims import ratio_lower_bound
-from ..estimators.live_epsilon import LiveEpsilon
+from ..estimators.composition import check_composition_size
+from ..estimators.live_epsilon import LiveEpsilon, merge_history
 from .findings import Evidence, diagnose
 from .monitor import CORRELATED, POOLED, REPEATS, SETUP
 from .record import AuditRecord
@@ -190,7 +191,8 @@ class ResultAssembler:
         Opacus's RDP and Gaussian accountants are computed by LiveEpsilon (the same numbers, RDP in identical
         floating point, from curves cached between calls); any other accountant (PRV, whose LiveEpsilon value
         rounds the steps up to a grid, a subclass, a patched get_epsilon) is asked itself, on a shallow copy
-        with its own copy of the history, and the answer kept until the history changes. An accountant that
+        with its own copy of the history (Opacus's PRV accountant: consecutive equal entries merged, the same
+        composition), and the answer kept until the history changes. An accountant that
         composes every entry (RDP, PRV) of a history with a step of noise multiplier 0 has epsilon = inf: that
         step releases its batch's gradients as they are (Opacus's PRV accountant raises there).
         """
@@ -205,7 +207,11 @@ class ResultAssembler:
             return self._asked[1]
         try:
             asked = copy.copy(accountant)
-            asked.history = list(accountant.history)
+            own = kind in ("rdp", "prv") and getattr(method, "__module__", None) == f"opacus.accountants.{kind}"
+            # Opacus's own composes each entry: runs of equal ones as one (its PRV accountant spends seconds per entry)
+            asked.history = merge_history(accountant.history) if own else list(accountant.history)
+            if own and kind == "prv":  # one that would not fit in memory is refused before it allocates
+                check_composition_size(asked.history, delta=delta, accountant="prv")
             epsilon = float(asked.get_epsilon(delta=delta))
         except Exception:  # an accountant that cannot be copied or asked: Opacus's computation for its kind
             return self._live.accountant_epsilon(accountant.history)
