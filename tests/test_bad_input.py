@@ -60,6 +60,20 @@ _GOOD = {
     "first_violation_step": None,
 }
 
+_FINAL_MODEL = {
+    "accountant_epsilon": 1.0, "num_canaries": 2, "num_included": 1,
+    "bounds": {"steinke": {"score": "loss", "correct": 1, "guesses_in": 1, "guesses_out": 0, "epsilon": 0.0}},
+}
+
+
+def _deeply_nested(depth: int) -> list:
+    """[[[...[1]...]]]: deeper than numpy's 32 dimensions when depth > 32."""
+    value = [1]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 _DAMAGED = [
     ("", r"not valid JSON .* damaged or truncated"),
     ('{"result": {"violation": fal', r"not valid JSON"),
@@ -80,6 +94,27 @@ _DAMAGED = [
     (json.dumps({"result": _GOOD, "final_model": {"bounds": {"steinke": {
         "score": "loss", "correct": 1, "guesses_in": 1, "guesses_out": 0, "epsilon": "big"}}}}),
      r"`epsilon` is 'big'; expected a number >= 0"),
+    (json.dumps({"result": {**_GOOD, "notes": "the run was fine"}}), r"`notes` is 'the run was fine'; expected a list"),
+    (json.dumps({"result": {**_GOOD, "notes": [3]}}), r"`notes\[0\]` is 3; expected a string"),
+    (json.dumps({"result": {**_GOOD, "data_path": ["per-sample gradients"]}}),
+     r"`data_path` is \['per-sample gradients'\]; expected a string"),
+    (json.dumps({"result": {**_GOOD, "pipeline": 5}}), r"`pipeline` is 5; expected a string"),
+    (json.dumps({"result": {**_GOOD, "epsilon_sampling": "small"}}), r"`epsilon_sampling` is 'small'; expected a number"),
+    (json.dumps({"result": {**_GOOD, "first_noise_repeat": [3]}}), r"`first_noise_repeat` is \[3\]; expected \[step, the"),
+    (json.dumps({"result": {**_GOOD, "findings": [{"code": "x", "message": "y", "first_step": "soon"}]}}),
+     r"`findings\[0\].first_step` is 'soon'; expected a whole number"),
+    (json.dumps({"result": _GOOD, "final_model": {**_FINAL_MODEL, "accountant_epsilon": "1.2"}}),
+     r"the final-model section's `accountant_epsilon` is '1.2'; expected a number"),
+    (json.dumps({"result": _GOOD, "final_model": {**_FINAL_MODEL, "num_canaries": "20"}}),
+     r"the final-model section's `num_canaries` is '20'; expected a whole number"),
+    (json.dumps({"result": _GOOD, "final_model": {**_FINAL_MODEL, "histograms": {"loss": {
+        "edges": [0.0, 1.0], "included": [1, 2], "excluded": [1]}}}}),
+     r"`histograms\['loss'\].included` holds 2 counts for 2 edges; expected 1, one per bin"),
+    (json.dumps({"result": {**_GOOD, "n_in": _deeply_nested(100)}}),
+     r"`n_in` is a list \(\[\[\[\[.*\.\.\.\); expected a whole number"),
+    (json.dumps({"result": _GOOD, "final_model": {**_FINAL_MODEL, "histograms": {"loss": {
+        "edges": [0.0, 1.0], "included": _deeply_nested(40), "excluded": [1]}}}}),
+     r"`histograms\['loss'\].included\[0\]` is a list \(\[\[\[\[.*\.\.\.\); expected a whole number"),
 ]
 
 
@@ -381,6 +416,13 @@ def test_something_else_than_a_state_is_refused(state, message):
     (lambda s: s.update(fingerprints={"bits": "x"}), r"the audit state is damaged \(`fingerprints`: ValueError"),
     (lambda s: s["log"].update(counts=_np.zeros((3, 3, 3))), r"the audit state is damaged \(`log`: ValueError: observation counts"),
     (lambda s: s["sampler"].update(rng="x"), r"the audit state is damaged \(`sampler` or `pool`"),
+    (lambda s: s["correlation"].update(signs=0.5), r"the audit state is damaged \(`correlation`: ValueError: "
+     r"`correlation.signs` has shape \(\); expected \(3, 128\): a row of sentinel signs per step in the window"),
+    (lambda s: s["correlation"].update(signs=_np.zeros((3, 2, 64))), r"`correlation.signs` has shape \(3, 2, 64\); "
+     r"expected \(3, 128\)"),
+    (lambda s: s["correlation"].update(labels=_np.arange(2)), r"`correlation.labels` has shape \(2,\); expected \(3,\)"),
+    (lambda s: s["correlation"].update(sums=_np.zeros((512, 2))), r"`correlation.sums` has shape \(512, 2\); "
+     r"expected \(512,\): a sum per lag"),
 ])
 def test_a_damaged_state_is_refused_and_the_auditor_left_as_it_was(_saved, corrupt, message):
     state = _copy.deepcopy(_saved)
@@ -388,7 +430,9 @@ def test_a_damaged_state_is_refused_and_the_auditor_left_as_it_was(_saved, corru
     model, optimizer, loader, auditor = _fresh()
     _train(model, optimizer, loader, 2)
     before = auditor.result(accounting=False)
-    with _pytest.raises(ValueError, match=message):
+    from lightning_dpaudit import AuditStateError
+
+    with _pytest.raises(AuditStateError, match=message):
         auditor.load_state_dict(state)
     _assert_unchanged(auditor, before)
     _train(model, optimizer, loader, 1)
@@ -680,12 +724,45 @@ def test_a_claim_that_is_not_a_number_is_named_with_its_type(attribute, value, m
     assert _untouched(optimizer)
 
 
+_FEWER_BOUNDS = r"the optimizer's max_grad_norms: 7 bound\(s\) for 8 parameter tensors; per-layer clipping needs one"
+
+
+def test_per_layer_bounds_that_do_not_match_the_tensors_are_refused_at_attach():
+    _, optimizer, _, _ = _private(seed=0, clipping="per_layer")
+    optimizer.max_grad_norms = optimizer.max_grad_norms[:-1]
+    with _pytest.raises(ValueError, match=_FEWER_BOUNDS):
+        _Auditor(optimizer)
+    assert _untouched(optimizer)
+
+
+def test_per_layer_bounds_shortened_mid_run_stop_the_audit_with_a_message_and_the_result_still_reads():
+    """Opacus's own per-layer step cannot run with one bound fewer than tensors (it raises, as without the audit);
+    the audit stops at that step and says why, and result() reads what it saw before."""
+    model, optimizer, loader, _ = _private(seed=0, clipping="per_layer")
+    auditor = _Auditor(optimizer, seed=1, canaries_per_step=64)
+    _train(model, optimizer, loader, 2)
+    optimizer.max_grad_norms = optimizer.max_grad_norms[:-1]
+    try:
+        _train(model, optimizer, loader, 1)
+    except AttributeError:  # Opacus's add_noise: the last tensor was never clipped, so it has no summed_grad
+        pass
+    result = auditor.result()
+    assert re.search(rf"^ValueError: Unexpected value for {_FEWER_BOUNDS}.* at step 3", result.audit_failed)
+    assert result.steps == 2 and len(result.layers) == 8 and not result.violation
+    assert "AUDIT FAILED: ValueError: Unexpected value for the optimizer's max_grad_norms" in str(result)
+
+
 @_pytest.mark.parametrize("argv,message", [
     (["demo", "--no-audit", "--final-model", "50"], r"argument --final-model: not allowed with argument --no-audit"),
     (["demo", "--no-audit", "--final-model"], r"argument --final-model: not allowed with argument --no-audit"),
     (["demo", "--no-audit", "--canaries", "8"], r"argument --canaries: not allowed with argument --no-audit"),
     (["demo", "--no-audit", "--final-model-kind", "blank"], r"argument --final-model-kind: not allowed with argument --no-audit"),
     (["demo", "--final-model-kind", "blank"], r"argument --final-model-kind: needs argument --final-model"),
+    (["demo", "--final-model", "298", "--final-model-kind", "mislabeled"], r"argument --final-model: 298 is above 297 "
+     r"for --final-model-kind mislabeled \(the demo holds 297 digits out of training, one per canary\); use an integer "
+     r"in \[2, 297\]"),
+    (["demo", "--final-model", "--final-model-kind", "crafted"], r"argument --final-model: 500 is above 297 for "
+     r"--final-model-kind crafted"),
     (["demo", "--threads", str(10**6)], rf"--threads: 1000000 is above {4 * (_os.cpu_count() or 1)} \(4 x the \d+ CPUs\)"),
 ])
 def test_cli_refuses_conflicting_flags_and_too_many_threads_with_a_usage_error(argv, message, capsys):

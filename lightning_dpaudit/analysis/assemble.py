@@ -6,7 +6,8 @@ fixed-sample mu lower bound (the chosen estimator) and the monitor's anytime-val
 The end-to-end lower bound composes sigma_emp = 1 / mu_lower over the accountant's own
 history with the accountant's own method (Tight Auditing 5.5; estimators.live_epsilon).
 The accountant's epsilon is the accountant's own `get_epsilon(delta)` (asked of a copy, so that
-an accountant whose query changes its state is left as it was).
+an accountant whose query changes its state is left as it was); inf when an accountant that composes
+every entry (RDP, PRV) holds a step without noise, nan with a note when it cannot be computed.
 When the claim changed during the run, the pooled bounds become a certified ratio of
 actual to claimed mu (estimators.changing_claims), shown in the current claim's units,
 and every step of the history is composed at sigma_t / ratio.
@@ -23,7 +24,8 @@ import numpy as np
 
 from .. import estimators as est
 from ..estimators.changing_claims import ratio_lower_bound
-from ..estimators.live_epsilon import LiveEpsilon
+from ..estimators.composition import check_composition_size
+from ..estimators.live_epsilon import LiveEpsilon, merge_history
 from .findings import Evidence, diagnose
 from .monitor import CORRELATED, POOLED, REPEATS, SETUP
 from .record import AuditRecord
@@ -93,7 +95,9 @@ class ResultAssembler:
         tp, fn, fp, tn = counts[POOLED]
         violating = tuple(group_name(g, layer_names) for g in sorted(monitor.first_violation))
         first = min(monitor.first_violation.values()) if monitor.first_violation else None
-        eps_accountant, eps_lower = self.end_to_end(mu_step, accountant, ratio) if accounting else (math.nan, math.nan)
+        notes: list = []
+        eps_accountant, eps_lower = (self.end_to_end(mu_step, accountant, ratio, notes=notes) if accounting
+                                     else (math.nan, math.nan))
         findings = diagnose(
             self.evidence(record, layer_names, anytime), violation=bool(violating), first_violation_step=first,
             extra=record.problems, canaries_alarmed=any(g != SETUP for g in monitor.first_violation),
@@ -121,6 +125,7 @@ class ResultAssembler:
             canary=claim.canary,
             layers=tuple(layers),
             findings=findings,
+            notes=tuple(notes),
         )
 
     def evidence(self, record: AuditRecord, layer_names: Sequence[str], anytime: dict) -> Evidence:
@@ -160,11 +165,12 @@ class ResultAssembler:
             mus.append(float(e.mu) if e.mu is not None else est.epsilon_to_mu(e.epsilon, claim.delta) if e.epsilon > 0 else 0.0)
         return np.array(mus)
 
-    def end_to_end(self, mu_step: float, accountant, ratio: Optional[float] = None):
+    def end_to_end(self, mu_step: float, accountant, ratio: Optional[float] = None, *, notes: Optional[list] = None):
         """(accountant epsilon, end-to-end lower bound), the curves cached per accountant kind (LiveEpsilon).
 
         With one claim, sigma_emp = 1 / mu_step at every step; when the claim changed, every
         step of the accountant's history at sigma_t / ratio (ratio: actual / claimed mu).
+        Either one that cannot be computed is nan, with a note saying why appended to `notes`.
         """
         if accountant is None or not accountant.history:
             return math.nan, math.nan
@@ -172,9 +178,12 @@ class ResultAssembler:
         if self._live is None or self._live.accountant != kind:
             self._live = LiveEpsilon(kind, delta=self.claim.delta)
         history = accountant.history
-        lower = (self._live.lower_bound_epsilon(mu_step, history) if ratio is None
-                 else self._live.lower_bound_epsilon_scaled(ratio, history))
-        return self.accountant_epsilon(accountant), lower
+        notes = [] if notes is None else notes
+        epsilon = _unless_it_fails(lambda: self.accountant_epsilon(accountant), "the accountant's epsilon", history, notes)
+        lower = _unless_it_fails(lambda: (self._live.lower_bound_epsilon(mu_step, history) if ratio is None
+                                          else self._live.lower_bound_epsilon_scaled(ratio, history)),
+                                 "the end-to-end lower bound", history, notes)
+        return epsilon, lower
 
     def accountant_epsilon(self, accountant) -> float:
         """What `accountant.get_epsilon(delta)` returns now, exactly.
@@ -182,9 +191,14 @@ class ResultAssembler:
         Opacus's RDP and Gaussian accountants are computed by LiveEpsilon (the same numbers, RDP in identical
         floating point, from curves cached between calls); any other accountant (PRV, whose LiveEpsilon value
         rounds the steps up to a grid, a subclass, a patched get_epsilon) is asked itself, on a shallow copy
-        with its own copy of the history, and the answer kept until the history changes.
+        with its own copy of the history (Opacus's PRV accountant: consecutive equal entries merged, the same
+        composition), and the answer kept until the history changes. An accountant that
+        composes every entry (RDP, PRV) of a history with a step of noise multiplier 0 has epsilon = inf: that
+        step releases its batch's gradients as they are (Opacus's PRV accountant raises there).
         """
         kind, delta = accountant.mechanism(), self.claim.delta
+        if kind in ("rdp", "prv") and any(float(sigma) == 0.0 and steps > 0 for sigma, _, steps in accountant.history):
+            return math.inf
         method = getattr(type(accountant), "get_epsilon", None)
         if kind in ("rdp", "gdp") and getattr(method, "__module__", None) == f"opacus.accountants.{kind}":
             return self._live.accountant_epsilon(accountant.history)
@@ -193,12 +207,34 @@ class ResultAssembler:
             return self._asked[1]
         try:
             asked = copy.copy(accountant)
-            asked.history = list(accountant.history)
+            own = kind in ("rdp", "prv") and getattr(method, "__module__", None) == f"opacus.accountants.{kind}"
+            # Opacus's own composes each entry: runs of equal ones as one (its PRV accountant spends seconds per entry)
+            asked.history = merge_history(accountant.history) if own else list(accountant.history)
+            if own and kind == "prv":  # one that would not fit in memory is refused before it allocates
+                check_composition_size(asked.history, delta=delta, accountant="prv")
             epsilon = float(asked.get_epsilon(delta=delta))
         except Exception:  # an accountant that cannot be copied or asked: Opacus's computation for its kind
             return self._live.accountant_epsilon(accountant.history)
         self._asked = (key, epsilon)
         return epsilon
+
+
+def _unless_it_fails(compute, what: str, history, notes: list) -> float:
+    """compute(), the accountant's maths without numpy's floating-point warnings (an infinite or 0 term is an
+    answer there, inf or 0, not a problem to warn about); nan, with a note naming the error, when it raises."""
+    try:
+        with np.errstate(divide="ignore", over="ignore", under="ignore", invalid="ignore"):
+            return compute()
+    except Exception as error:  # whatever the accountant's maths raises: no figure, rather than no result
+        try:
+            smallest = f"; the smallest noise multiplier in its history is {min(float(e[0]) for e in history):g}"
+        except Exception:  # a history that is not (noise multiplier, sample rate, steps) entries
+            smallest = ""
+        note = (f"accounting: {what} is not available (nan): computing it from the accountant's history raised "
+                f"{type(error).__name__}: {error}{smallest}")
+        if note not in notes:
+            notes.append(note)
+        return math.nan
 
 
 def claim_ratio(mu_lower: float, monitor, group: int) -> float:

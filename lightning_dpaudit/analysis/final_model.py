@@ -26,6 +26,7 @@ import numpy as np
 from ..estimators._checks import check_included
 from ..estimators.one_run_guesses import GuessBound, one_run_bounds
 from .formatting import as_number, fixed
+from .schema import shown
 
 SCORE_LABELS = {"loss": "minus the canary's loss", "loss_change": "drop of the loss since the start",
                 "logit_margin": "logit margin of the canary's label"}
@@ -125,12 +126,12 @@ def section_problem(section) -> Optional[str]:
         for key in ("correct", "guesses_in", "guesses_out"):
             value = bound.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                return f"bound {name!r}: `{key}` is {value!r}; expected a whole number >= 0"
+                return f"bound {name!r}: `{key}` is {shown(value)}; expected a whole number >= 0"
         epsilon = bound.get("epsilon")
         if epsilon is None and isinstance(bound.get("unavailable"), str) and bound["unavailable"]:
             continue  # not available at these settings (nan, written as null), with the reason
         if not (isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool) and epsilon >= 0) and epsilon != "inf":
-            return f"bound {name!r}: `epsilon` is {epsilon!r}; expected a number >= 0"
+            return f"bound {name!r}: `epsilon` is {shown(epsilon)}; expected a number >= 0"
     return None
 
 

@@ -72,6 +72,7 @@ class AnytimeMonitor:
         self.num_layers = len(layers)
         self.counts = {g: np.zeros(4, dtype=np.int64) for g in self.alpha}  # tp, fn, fp, tn
         self.bounds = {g: 0.0 for g in self.alpha}
+        self._bounded: Dict[int, tuple] = {}  # group -> (counts, claim) its bound was last computed from
         self.first_violation: Dict[int, int] = {}
         self._flagged: List[int] = []  # flagged since the last check
 
@@ -124,6 +125,7 @@ class AnytimeMonitor:
                 bound = anytime_mu_lower(tp, fn, fp, tn, alpha=self.alpha[group], mu_anticipated=claim)
                 if bound > claim:
                     self.bounds[group] = bound
+                    self._bounded.pop(group, None)  # a bound at step t, not of the counts after the last step
                     self.first_violation[group] = int(labels[t])
                     self._flagged.append(group)
                     break
@@ -166,9 +168,13 @@ class AnytimeMonitor:
         return dict(self.bounds)
 
     def _refresh(self, group: int) -> float:
-        """Recompute and store one group's anytime-valid mu lower bound."""
+        """Recompute and store one group's anytime-valid mu lower bound (kept while its counts and claim stay)."""
         tp, fn, fp, tn = self.counts[group]
-        self.bounds[group] = anytime_mu_lower(tp, fn, fp, tn, alpha=self.alpha[group], mu_anticipated=self.claims[group])
+        basis = (int(tp), int(fn), int(fp), int(tn), self.claims[group])
+        if self._bounded.get(group) != basis:
+            self.bounds[group] = anytime_mu_lower(tp, fn, fp, tn, alpha=self.alpha[group],
+                                                  mu_anticipated=self.claims[group])
+            self._bounded[group] = basis
         return self.bounds[group]
 
     def state_dict(self) -> dict:
@@ -183,6 +189,7 @@ class AnytimeMonitor:
         for g, c in state.get("counts", {}).items():
             self.counts[int(g)] = np.asarray(c, dtype=np.int64)
         self.bounds.update({int(g): float(b) for g, b in state.get("bounds", {}).items()})
+        self._bounded = {}
         self.first_violation = {int(g): int(s) for g, s in state.get("first_violation", {}).items()}
 
 

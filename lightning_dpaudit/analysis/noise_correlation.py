@@ -79,6 +79,19 @@ def boundary(pairs, a: float, rho: float = RHO):
     return np.sqrt(t * (2.0 * math.log(1.0 / a) + np.log(t / rho)))
 
 
+def _window_shapes(state, ctx):
+    """The window holds min(n, lags) steps: a row of signs (one per sentinel, ctx["sentinels"]) and a label for
+    each; a sum per lag."""
+    lags, rows = state["lags"], min(state["n"], state["lags"])
+    wanted = (("signs", (rows, ctx.get("sentinels", "sentinels")), "a row of sentinel signs per step in the window"),
+              ("labels", (rows,), "a step per row of signs"), ("sums", (lags,), "a sum per lag"))
+    for name, shape, why in wanted:
+        held = np.shape(state[name])
+        if held != shape and not (name == "signs" and "sentinels" not in ctx and held[:1] == (rows,) and len(held) == 2):
+            return name, f"has shape {held}; expected {shape}: {why} ({state['n']} steps seen, {lags} lags)"
+    return None
+
+
 # The noise-correlation test's state (`load_state_dict` reads a state CORRELATION.check passed).
 CORRELATION = Section(
     "correlation",
@@ -89,6 +102,7 @@ CORRELATION = Section(
     Field("sums", "array", dtype="real"),
     Field("first", "list", null=True, items=Field("step", "int"),
           rule=lambda v, ctx: None if len(v) == 3 else f"is {list(v)!r}; expected (step, earlier step, lag)"),
+    rules=(_window_shapes,),
 )
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 from .final_model import section_problem
 from .formatting import as_number as _num
 from .report import JSON_NAME
-from .schema import Field, Section, StateError
+from .schema import Field, Section, StateError, shown
 
 class ReportError(ValueError):
     """A file that is not a readable audit report."""
@@ -31,7 +31,7 @@ def _number(*, null: bool = True, inside: Optional[tuple] = None, positive: bool
         if v is None:
             return None if null else "is null; expected a number"
         if isinstance(v, bool) or not isinstance(v, (int, float, str)) or (isinstance(v, str) and v not in ("inf", "-inf")):
-            return f"is {v!r}; expected a number"
+            return f"is {shown(v)}; expected a number"
         x = _num(v)
         if math.isnan(x):
             return "is NaN; expected a number (a number that was not available is written as null)"
@@ -51,7 +51,13 @@ _LAYER = Section(
     Field("mu_lower_bound_anytime", "any", rule=_number()), Field("mu_claimed", "any", rule=_number(positive=True)),
     Field("n_in", "int", low=0), Field("n_out", "int", low=0), Field("violation", "bool"),
 )
-_FINDING = Section("finding", Field("code", "str"), Field("message", "str"))
+_FINDING = Section("finding", Field("code", "str"), Field("message", "str"),
+                   Field("first_step", "int", low=0, null=True, optional=True),
+                   Field("layers", "list", items=Field("name", "str"), optional=True))
+
+
+def _pair_of_steps(v, ctx) -> Optional[str]:
+    return None if len(v) == 2 else f"is {v!r}; expected [step, the earlier step it repeats]"
 
 
 def _verdict_rule(r, ctx):
@@ -100,9 +106,43 @@ RESULT = Section(
     *(Field(key, "any", rule=_number(), optional=True)
       for key in ("mu_lower_bound_anytime", "epsilon_step_lower_bound", "epsilon_step_claimed")),
     Field("noise_repeats", "int", low=0, optional=True),
+    Field("first_noise_repeat", "list", items=Field("step", "int", low=1), rule=_pair_of_steps, null=True,
+          optional=True),
     Field("layers", "list", items=_LAYER, optional=True),
     Field("findings", "list", items=_FINDING, optional=True),
+    *(Field(key, "str", optional=True) for key in ("estimator", "mode", "canary", "data_path", "pipeline")),
+    Field("notes", "list", items=Field("note", "str"), optional=True),
+    Field("epsilon_sampling", "any", rule=_number(), optional=True),
     rules=(_verdict_rule,),
+)
+
+
+def _bins(h, ctx) -> Optional[tuple]:
+    """One count of each kind per bin: a bin between each two edges."""
+    bins = len(h["edges"]) - 1
+    for key in ("included", "excluded"):
+        if len(h[key]) != bins:
+            return key, f"holds {len(h[key])} counts for {len(h['edges'])} edges; expected {bins}, one per bin"
+    return None
+
+
+_COUNTS_OF = Field("count", "int", low=0)
+_HISTOGRAM = Section("histogram", Field("edges", "list", items=Field("edge", "real")),
+                     Field("included", "list", items=_COUNTS_OF), Field("excluded", "list", items=_COUNTS_OF),
+                     rules=(_bins,))
+
+# The final-model section's fields beside its bounds (final_model.section_problem checks those), each as
+# FinalModelResult.to_dict writes it; the summary prints them and the histograms' counts draw its figure.
+FINAL_MODEL = Section(
+    "final_model",
+    Field("accountant_epsilon", "any", rule=_number(), optional=True),
+    *(Field(key, "int", low=0, optional=True) for key in ("num_canaries", "num_included")),
+    *(Field(key, "int", low=0, null=True, optional=True) for key in ("epoch", "step")),
+    Field("kind", "str", null=True, optional=True),
+    Field("selection", "str", optional=True),
+    Field("confidence", "any", rule=_number(inside=(0, 1)), optional=True),
+    Field("violation", "bool", optional=True),
+    Field("histograms", "map", items=_HISTOGRAM, label="{path}[{key!r}]", optional=True),
 )
 
 
@@ -160,3 +200,8 @@ def check_report(report, path) -> None:
         raise ReportError(f"{path}: {error}") from None
     if "final_model" in report and section_problem(report["final_model"]):
         raise ReportError(f"{path}: the final-model section {section_problem(report['final_model'])}")
+    if "final_model" in report:
+        try:
+            FINAL_MODEL.check(report["final_model"])
+        except StateError as error:
+            raise ReportError(f"{path}: the final-model section's {error}") from None

@@ -101,7 +101,7 @@ def check_field(f: Field, value, path: str, ctx: dict) -> None:
     elif f.type in ("int", "real"):
         ok = _is_int(value) if f.type == "int" else _is_real(value)
         if not ok:
-            raise StateError(path, f"is {value!r}; expected {_KINDS[f.type]}")
+            raise StateError(path, f"is {_shown(value)}; expected {_KINDS[f.type]}")
         try:
             number = np.asarray(value, dtype=float)
         except OverflowError:
@@ -109,9 +109,9 @@ def check_field(f: Field, value, path: str, ctx: dict) -> None:
                              f"{_range(f) or 'within it'}") from None
         _check_numbers(f, number, path, value)
     elif f.type == "bool" and not isinstance(value, (bool, np.bool_)):
-        raise StateError(path, f"is {value!r}; expected true or false")
+        raise StateError(path, f"is {_shown(value)}; expected true or false")
     elif f.type == "str" and not isinstance(value, str):
-        raise StateError(path, f"is {value!r}; expected a string")
+        raise StateError(path, f"is {_shown(value)}; expected a string")
     elif f.type == "map":
         if not isinstance(value, Mapping):
             raise StateError(path, f"is {_shown(value)}; expected a dict")
@@ -150,9 +150,13 @@ def _check_list(f: Field, value, path: str, ctx: dict) -> None:
         _check_item(f, item, label(i), ctx)
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
+    """`value` as a message shows it: its repr, or its type and the start of it when that is long."""
     text = repr(value)
     return text if len(text) <= 60 else f"a {type(value).__name__} ({text[:40]}...)"
+
+
+_shown = shown
 
 
 def _check_item(f: Field, item, path: str, ctx: dict) -> None:

@@ -180,6 +180,13 @@ def _check_demo_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error("argument --final-model-kind: needs argument --final-model (the final-model audit it configures)")
     if args.final_model_kind is None:
         args.final_model_kind = "ood"
+    if args.final_model is not None:
+        from .demo import demo_max_final_model
+
+        bound = demo_max_final_model(args.final_model_kind)
+        if bound is not None and args.final_model > bound[0]:
+            parser.error(f"argument --final-model: {args.final_model} is above {bound[0]} for --final-model-kind "
+                         f"{args.final_model_kind} ({bound[1]}); use an integer in [2, {bound[0]}]")
     if not args.no_audit:  # the audit refuses a claim float32 cannot hold: said here, as a usage error
         from ..engine.claim_range import noise_problem
 

@@ -209,6 +209,15 @@ class PrivateDigitsModule(pl.LightningModule):
         return optimizer
 
 
+def demo_max_final_model(kind: str) -> Optional[tuple]:
+    """(the most final-model canaries the demo takes of `kind`, why), or None when the kind has no bound of its own:
+    "mislabeled" and "crafted" canaries are distinct digits held out from training (held_out_digits)."""
+    if kind not in ("mislabeled", "crafted"):
+        return None
+    held_out = len(digits_dataset()) - TRAIN
+    return held_out, f"the demo holds {held_out} digits out of training, one per canary"
+
+
 def run_demo(
     *,
     steps: Optional[int] = None,

@@ -294,7 +294,7 @@ class PrivacyAuditor:
         result = self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
         diverged = self.pipeline.diverged
         stopped = "" if diverged is None else f"; stopped: training diverged at step {diverged}"
-        notes = tuple(f"{code}: {message}" for code, message in self.notes + self.checks.notes())
+        notes = tuple(f"{code}: {message}" for code, message in self.notes + self.checks.notes()) + result.notes
         data_path, pipeline = self.checks.status(DATA_PATH) or "off", self.checks.status(PIPELINE)
         return replace(result, audit_failed=self.record.failed, detected_step=self.record.detected,
                        data_path=data_path + stopped, pipeline=pipeline + stopped,

@@ -84,6 +84,12 @@ def check_claim(optimizer) -> None:
             "with no noise there is no privacy claim to audit (it must be a finite number > 0)"
         )
     per_layer = getattr(optimizer, "max_grad_norms", None)
+    tensors = len(optimizer.params)
+    if per_layer is not None and len(per_layer) not in (0, tensors):
+        raise ValueError(
+            f"Unexpected value for the optimizer's max_grad_norms: {len(per_layer)} bound(s) for {tensors} parameter "
+            "tensors; per-layer clipping needs one bound per tensor (change the bounds in place, keeping their number)"
+        )
     for bound in [optimizer.max_grad_norm] if per_layer is None or len(per_layer) == 0 else per_layer:
         bound = _not_a_number("max_grad_norm", claim_number(bound))
         if not math.isfinite(bound) or bound <= 0:

@@ -50,8 +50,10 @@ from scipy import special
 from scipy.optimize import brentq
 
 from ._checks import check_delta, check_nonnegative
-from .composition import ACCOUNTANTS
-from .rdp_curves import _LRU, _alphas, _Curves, _lower_rdp_epsilon, _opacus_curve, _rdp_epsilon
+from .composition import ACCOUNTANTS, MAX_PRV_POINTS
+from .rdp_curves import (
+    _LRU, CURVES_CACHE_SIZE, _alphas, _Curves, _lower_rdp_epsilon, _lower_rdp_epsilon_of, _opacus_curve, _rdp_epsilon,
+)
 
 History = Sequence[Tuple[float, float, int]]
 
@@ -63,8 +65,10 @@ def _gdp_epsilon(sigma: float, q: float, steps: int, delta: float, *, upper: boo
 
     Where Opacus's bracket [0, 500] holds no root (and it raises): 0 when epsilon = 0
     already meets delta; when even epsilon = 500 does not, inf for the accountant
-    (upper=True) and 500 for a lower bound.
+    (upper=True) and 500 for a lower bound. A noise multiplier of 0 is mu = inf: no privacy.
     """
+    if sigma == 0.0:
+        return math.inf if upper else 500.0
     mu = np.sqrt(np.exp(sigma ** (-2)) - 1) * np.sqrt(steps) * q
 
     def excess(eps):
@@ -126,6 +130,9 @@ def _prv_epsilon(history, delta: float, curve) -> float:
         size = max(size, _rdp_epsilon([(curve(s, q), 1)], orders, delta_error / (8 * total)))
     size = max(size, eps_error) + 3
     mesh = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
+    if 2 * size / mesh > MAX_PRV_POINTS:  # refused before anything is allocated (composition.check_composition_size)
+        raise ValueError(f"the PRV accountant would discretise {total:,} steps on {2 * size / mesh:.3g} points, above "
+                         f"the bound of {MAX_PRV_POINTS:,} points (2**23, about 2 GB)")
     domain = Domain.create_aligned(-size, size, mesh)
     prvs = [PoissonSubsampledGaussianPRV(q, s) for s, q, _ in history]
     dprvs = [discretize(TruncatedPrivacyRandomVariable(p, domain.t_min, domain.t_max), domain) for p in prvs]
@@ -162,6 +169,20 @@ def _entries(history: History) -> Tuple[Tuple[float, float, int], ...]:
         if n > 0:
             out.append((sigma, q, n))
     return tuple(out)
+
+
+def merge_history(history: History) -> list:
+    """`history` with each run of consecutive entries of equal (noise multiplier, sample rate) as one entry of their
+    summed steps: the same composition for an accountant that composes every entry (RDP, PRV; Opacus's own merge a
+    step into the last entry so), computed once per run instead of once per entry. Not for GDP, which reads the
+    last entry alone."""
+    merged: list = []
+    for sigma, q, n in history:
+        if merged and merged[-1][0] == sigma and merged[-1][1] == q:
+            merged[-1] = (sigma, q, merged[-1][2] + n)
+        else:
+            merged.append((sigma, q, n))
+    return merged
 
 
 class LiveEpsilon:
@@ -207,7 +228,7 @@ class LiveEpsilon:
             raise ValueError(f"Unexpected value for `prv_mu_cap`: {prv_mu_cap}; use a number >= 1 or None")
         self.prv_mu_cap = None if prv_mu_cap is None else float(prv_mu_cap)
         self._grid = _StepGrid(self.prv_steps_resolution)
-        self._exact_curves = _LRU()  # (sigma, q) -> Opacus's per-step RDP curve
+        self._exact_curves = _LRU(CURVES_CACHE_SIZE)  # (sigma, q) -> Opacus's per-step RDP curve
         self._fast_curves = None  # _Curves, for the lower bound
         self._values = _LRU()  # (which, rounded history) -> epsilon
         self._orders = None
@@ -221,7 +242,7 @@ class LiveEpsilon:
         to brentq's tolerance). PRV: `get_epsilon(delta)` of the history extended to the
         next grid count of total steps, so never below the value for `history` itself.
         """
-        entries = _entries(history)
+        entries = self._composed(history)
         if not entries:
             return 0.0
         if self.accountant == "rdp":
@@ -246,7 +267,7 @@ class LiveEpsilon:
 
     def _lower_bound_epsilon(self, mu_step: float, history: History) -> float:
         mu_step = check_nonnegative(mu_step, "mu_step")
-        entries = _entries(history)
+        entries = self._composed(history)
         edge = _edge_bound(mu_step, entries)
         if edge is not None:
             return edge
@@ -265,7 +286,7 @@ class LiveEpsilon:
         sigma = 1.0 / _round_down(mu_step, self.prv_mu_resolution)
         if self.prv_steps_resolution > 0:
             entries = _truncate(entries, self._grid.down(sum(n for _, _, n in entries)))
-        entries = tuple((sigma, q, n) for _, q, n in entries)
+        entries = tuple(merge_history((sigma, q, n) for _, q, n in entries))
         return self._values.get_or(("lower", entries), lambda: _prv_epsilon(entries, self.delta, self._curves().full))
 
     def lower_bound_epsilon_scaled(self, ratio: float, history: History) -> float:
@@ -274,14 +295,15 @@ class LiveEpsilon:
         Each history entry (sigma, q, n) becomes (sigma / ratio, q, n), composed by the
         accountant's method: the lower bound of a run whose noise multiplier changes
         (estimators.changing_claims gives the ratio). `ratio` is rounded down to the
-        `mu_resolution` grid (PRV: capped at `prv_mu_cap`), so the value is never above
-        the exact one, and never below 0.
+        `mu_resolution` grid (PRV: capped at `prv_mu_cap`; RDP: composed from the lowered
+        vectorized curves, as `lower_bound_epsilon`), so the value is never above the exact
+        one, and never below 0.
         """
         return _not_negative(self._lower_bound_epsilon_scaled(ratio, history))
 
     def _lower_bound_epsilon_scaled(self, ratio: float, history: History) -> float:
         ratio = check_nonnegative(ratio, "ratio")
-        entries = _entries(history)
+        entries = self._composed(history)
         edge = _edge_bound(ratio, entries)
         if edge is not None:
             return edge
@@ -292,10 +314,18 @@ class LiveEpsilon:
         if self.accountant == "gdp":
             s, q, n = scaled[-1]
             return _gdp_epsilon(s, q, n, self.delta, upper=False)
-        if self.accountant == "rdp":
-            return self._values.get_or(("scaled", scaled), lambda: _rdp_epsilon(
-                [(self._exact_curve(s, q), n) for s, q, n in scaled], self._alphas(), self.delta))
+        if self.accountant == "rdp":  # as the one-claim bound: the vectorized curves, lowered, at the orders needed
+            steps = {}
+            for s, q, n in scaled:
+                steps[(s, q)] = steps.get((s, q), 0) + n
+            return self._values.get_or(("scaled", scaled), lambda: _lower_rdp_epsilon_of(self._curves(), steps,
+                                                                                         self.delta))
         return self._values.get_or(("scaled", scaled), lambda: _prv_epsilon(scaled, self.delta, self._exact_curve))
+
+    def _composed(self, history: History) -> Tuple[Tuple[float, float, int], ...]:
+        """The entries the accountant composes: runs of equal entries merged, but for GDP (its last entry alone)."""
+        entries = _entries(history)
+        return entries if self.accountant == "gdp" else tuple(merge_history(entries))
 
     # ------------------------------------------------------------ caches
 
