@@ -34,7 +34,7 @@ from .results import AuditResult, LayerAudit
 class Claim:
     """What the audited run claims and how the audit judges it.
 
-    mu_claimed = 1 / noise_multiplier: each step is mu-GDP for every canary.
+    mu_claimed = 1 / noise_multiplier: each step is mu-GDP for every canary (inf at noise multiplier 0: no claim).
     """
 
     noise_multiplier: float
@@ -49,7 +49,7 @@ class Claim:
 
     @property
     def mu_claimed(self) -> float:
-        return 1.0 / self.noise_multiplier
+        return math.inf if self.noise_multiplier == 0 else 1.0 / self.noise_multiplier
 
     @property
     def epsilon_step_claimed(self) -> float:
@@ -182,8 +182,11 @@ class ResultAssembler:
         Opacus's RDP and Gaussian accountants are computed by LiveEpsilon (the same numbers, RDP in identical
         floating point, from curves cached between calls); any other accountant (PRV, whose LiveEpsilon value
         rounds the steps up to a grid, a subclass, a patched get_epsilon) is asked itself, on a shallow copy
-        with its own copy of the history, and the answer kept until the history changes.
+        with its own copy of the history, and the answer kept until the history changes. A step composed at noise
+        multiplier 0 (no noise): inf, without asking (Opacus's PRV and GDP accountants raise there).
         """
+        if any(float(entry[0]) == 0 for entry in accountant.history):
+            return math.inf
         kind, delta = accountant.mechanism(), self.claim.delta
         method = getattr(type(accountant), "get_epsilon", None)
         if kind in ("rdp", "gdp") and getattr(method, "__module__", None) == f"opacus.accountants.{kind}":
