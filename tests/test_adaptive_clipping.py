@@ -181,20 +181,23 @@ def test_an_adaclip_optimizer_of_its_own_is_audited_and_detached_exactly():
     assert vars(optimizer).keys() == before.keys() and type(optimizer).add_noise is AdaClipDPOptimizer.add_noise
 
 
-def test_adaclip_without_noise_is_refused():
-    model = nn.Linear(4, 2)
-    optimizer = AdaClipDPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0, target_unclipped_quantile=0.5,
-        clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.1, unclipped_num_std=2.0, max_grad_norm=1.0,
-        expected_batch_size=8,
-    )
-    with pytest.raises(ValueError, match=r"noise_multiplier: 0\.0; with no noise there is no privacy claim"):
-        PrivacyAuditor(optimizer)
-
-
-def test_noise_switched_off_mid_run_stops_the_audit_with_the_reason():
+def test_adaclip_without_noise_is_the_finding_no_noise():
+    """Noise multiplier 0 at attach: no gradient noise, a void claim, reported at the first step, not refused."""
     module, optimizer, loader, _, loss_fn = _adaclip(poisson=False)
-    PrivacyAuditor(optimizer, seed=0)
+    optimizer.noise_multiplier = 0.0
+    auditor = PrivacyAuditor(optimizer, seed=0)
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    loss_fn(module(x), y).backward()
+    with pytest.warns(PrivacyViolationWarning, match=r"no_noise: the optimizer's noise multiplier is 0 from step 1"):
+        optimizer.step()
+    result = auditor.result(accounting=False)
+    assert result.violation and result.audit_failed is None and [f.code for f in result.findings] == ["no_noise"]
+
+
+def test_noise_switched_off_mid_run_is_the_finding_no_noise():
+    module, optimizer, loader, _, loss_fn = _adaclip(poisson=False)
+    auditor = PrivacyAuditor(optimizer, seed=0)
     batches = iter(loader)
     for i in range(2):
         if i == 1:
@@ -203,10 +206,12 @@ def test_noise_switched_off_mid_run_stops_the_audit_with_the_reason():
         optimizer.zero_grad()
         loss_fn(module(x), y).backward()
         if i == 1:
-            with pytest.warns(AuditFailedWarning, match=r"adaptive clipping: no privacy claim to audit"):
+            with pytest.warns(PrivacyViolationWarning, match=r"noise multiplier is 0 from step 2"):
                 optimizer.step()
         else:
             optimizer.step()
+    result = auditor.result(accounting=False)
+    assert result.audit_failed is None and [f.code for f in result.findings] == ["no_noise"]
 
 
 # ------------------------------------------------------------------ the accountant: opacus-807

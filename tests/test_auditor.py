@@ -209,8 +209,8 @@ def test_errors_name_the_problem():
     with pytest.raises(RuntimeError, match="already attached"):
         PrivacyAuditor(opt)
     _, quiet, _, _ = make_private_digits(seed=0)
-    quiet.noise_multiplier = 0.0
-    with pytest.raises(ValueError, match="noise_multiplier: 0.0"):
+    quiet.noise_multiplier = -1.0
+    with pytest.raises(ValueError, match="noise_multiplier: -1.0"):
         PrivacyAuditor(quiet)
 
 

@@ -263,7 +263,7 @@ def test_auditor_refuses_an_optimizer_that_is_not_opacus():
 
 
 @_pytest.mark.parametrize("attribute,value,message", [
-    ("noise_multiplier", 0.0, r"noise_multiplier: 0.0; with no noise there is no privacy claim"),
+    ("noise_multiplier", -1.0, r"noise_multiplier: -1.0; it must be a finite number > 0, or 0 \(no noise"),
     ("noise_multiplier", float("nan"), r"noise_multiplier: nan"),
     ("max_grad_norm", 0.0, r"max_grad_norm: 0.0; clipping needs a finite bound > 0"),
     ("max_grad_norm", float("inf"), r"max_grad_norm: inf"),
@@ -1053,16 +1053,18 @@ def test_a_clipping_bound_opacus_cannot_draw_noise_with_is_named_as_the_clipping
 
 
 def test_a_noise_multiplier_of_zero_mid_run_does_not_stop_training():
-    """Plain Opacus completes a step at noise multiplier 0 (no noise): so does the audited optimizer."""
-    from lightning_dpaudit.engine.pipeline import AuditFailedWarning
+    """Plain Opacus completes a step at noise multiplier 0 (no noise): so does the audited optimizer, and the audit
+    goes on, with the violation no_noise (tests/test_void_claim.py)."""
+    from lightning_dpaudit.engine.auditor import PrivacyViolationWarning
 
     model, optimizer, loader, _ = _private(seed=0)
     auditor = _Auditor(optimizer, seed=1)
     _train(model, optimizer, loader, 1)
     optimizer.noise_multiplier = 0.0
-    with _pytest.warns(AuditFailedWarning):
+    with _pytest.warns(PrivacyViolationWarning, match=r"no_noise"):
         _train(model, optimizer, loader, 1)
-    assert "noise_multiplier" in auditor.result(accounting=False).audit_failed
+    result = auditor.result(accounting=False)
+    assert result.audit_failed is None and [f.code for f in result.findings] == ["no_noise"]
 
 
 @_pytest.mark.parametrize("make", [

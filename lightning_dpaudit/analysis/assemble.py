@@ -36,7 +36,7 @@ from .results import AuditResult, LayerAudit
 class Claim:
     """What the audited run claims and how the audit judges it.
 
-    mu_claimed = 1 / noise_multiplier: each step is mu-GDP for every canary.
+    mu_claimed = 1 / noise_multiplier: each step is mu-GDP for every canary (inf at noise multiplier 0: no claim).
     """
 
     noise_multiplier: float
@@ -51,7 +51,7 @@ class Claim:
 
     @property
     def mu_claimed(self) -> float:
-        return 1.0 / self.noise_multiplier
+        return math.inf if self.noise_multiplier == 0 else 1.0 / self.noise_multiplier
 
     @property
     def epsilon_step_claimed(self) -> float:
@@ -191,14 +191,13 @@ class ResultAssembler:
         Opacus's RDP and Gaussian accountants are computed by LiveEpsilon (the same numbers, RDP in identical
         floating point, from curves cached between calls); any other accountant (PRV, whose LiveEpsilon value
         rounds the steps up to a grid, a subclass, a patched get_epsilon) is asked itself, on a shallow copy
-        with its own copy of the history (Opacus's PRV accountant: consecutive equal entries merged, the same
-        composition), and the answer kept until the history changes. An accountant that
-        composes every entry (RDP, PRV) of a history with a step of noise multiplier 0 has epsilon = inf: that
-        step releases its batch's gradients as they are (Opacus's PRV accountant raises there).
+        with its own copy of the history (Opacus's RDP and PRV accountants: consecutive equal entries merged, the
+        same composition), and the answer kept until the history changes. A step composed at noise multiplier 0
+        releases its batch's gradients as they are: inf, without asking (Opacus's PRV and GDP accountants raise).
         """
-        kind, delta = accountant.mechanism(), self.claim.delta
-        if kind in ("rdp", "prv") and any(float(sigma) == 0.0 and steps > 0 for sigma, _, steps in accountant.history):
+        if any(float(entry[0]) == 0 for entry in accountant.history):
             return math.inf
+        kind, delta = accountant.mechanism(), self.claim.delta
         method = getattr(type(accountant), "get_epsilon", None)
         if kind in ("rdp", "gdp") and getattr(method, "__module__", None) == f"opacus.accountants.{kind}":
             return self._live.accountant_epsilon(accountant.history)

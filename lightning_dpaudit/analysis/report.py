@@ -124,19 +124,25 @@ def tradeoff_figure(
     histogram = (edges, in_counts, out_counts) (see tradeoff_from_histograms), which is
     exact at every bin edge. Lines: the empirical curve, the mu_claimed-GDP curve (the
     least FNR a correct step allows at each FPR) and, if given, the mu_lower-GDP curve.
-    The empirical curve below the claimed one is leakage beyond the claim. Returns the
-    Figure.
+    The empirical curve below the claimed one is leakage beyond the claim. Without an in- and an
+    out-observation (no step audited: every one released without noise) the panel says so instead
+    of the empirical curve. Returns the Figure.
     """
     fig, ax = _new_axes(ax)
-    fpr, fnr = _tradeoff_points(in_values, out_values, histogram)
+    observed = _observed(in_values, out_values, histogram)
+    fpr, fnr = _tradeoff_points(in_values, out_values, histogram) if observed else ([0, 1], [1, 0])
     grid = np.linspace(0.0, 1.0, 501)
     # distinct colours, line styles and markers (at different points): curves that coincide stay told apart
     ax.plot([0, 1], [1, 0], color="0.75", lw=0.8, ls=":", label="random guess")
     # clip_on=False: a curve along an axis (a leak that separates in from out) is drawn over the frame, not under it
-    ax.plot(fpr, fnr, color="C0", lw=2.4, marker="o", ms=4, markevery=_marks(len(fpr), 9), zorder=3, clip_on=False,
-            label="empirical (threshold attack)")
-    ax.plot(grid, gdp_fnr(grid, mu_claimed), color="C3", lw=1.5, ls="--", marker="s", ms=4, markevery=(25, 50), zorder=4,
-            clip_on=False, label=f"claimed GDP, μ = {mu_claimed:.3g}")
+    if observed:
+        ax.plot(fpr, fnr, color="C0", lw=2.4, marker="o", ms=4, markevery=_marks(len(fpr), 9), zorder=3,
+                clip_on=False, label="empirical (threshold attack)")
+    else:
+        ax.text(0.6, 0.8, "no observations:\nno step was audited", ha="center", fontsize=9, color="C0")
+    if np.isfinite(mu_claimed):  # inf: noise multiplier 0, no claim to draw
+        ax.plot(grid, gdp_fnr(grid, mu_claimed), color="C3", lw=1.5, ls="--", marker="s", ms=4, markevery=(25, 50),
+                zorder=4, clip_on=False, label=f"claimed GDP, μ = {mu_claimed:.3g}")
     if mu_lower is not None and np.isfinite(mu_lower):
         ax.plot(grid, gdp_fnr(grid, mu_lower), color="C2", lw=1.5, ls="-.", marker="^", ms=4, markevery=(0, 50), zorder=5,
                 clip_on=False, label=f"lower-bound GDP, μ = {mu_lower:.3g}")
@@ -155,6 +161,15 @@ def tradeoff_figure(
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
     return fig
+
+
+def _observed(in_values, out_values, histogram) -> bool:
+    """Whether there is an in- and an out-observation to draw (what is missing altogether is _tradeoff_points's error)."""
+    if histogram is not None:
+        return bool(np.sum(histogram[1]) > 0 and np.sum(histogram[2]) > 0)
+    if in_values is None or out_values is None:
+        return True
+    return bool(np.size(in_values) > 0 and np.size(out_values) > 0)
 
 
 def _area(fpr, fnr) -> float:

@@ -227,7 +227,7 @@ class AdaptiveClaims(StepClaims):
             sigma, bounds = now
             if self._step is None:
                 check_claim(self.optimizer)
-            elif not (sigma > 0 and math.isfinite(sigma) and all(b > 0 and math.isfinite(b) for b in bounds)):
+            elif not (sigma >= 0 and math.isfinite(sigma) and all(b > 0 and math.isfinite(b) for b in bounds)):
                 raise ValueError(f"adaptive clipping: no privacy claim to audit (gradient noise multiplier {sigma}, "
                                  f"clipping bound {bounds[0]})")
             self.mechanism = replace(
@@ -248,7 +248,7 @@ class AdaptiveClaims(StepClaims):
         if accounted == self._accounted:
             return
         self._accounted = accounted
-        if used.count is None:
+        if used.count is None or used.gradient == 0:  # no gradient noise: the finding no_noise, not this one
             return
         recorded, joint = float(self.accountant.history[-1][0]), used.joint
         if joint <= 0 or recorded ** -2 < joint ** -2 * (1 - RTOL):

@@ -19,9 +19,11 @@ from . import distributed as dist
 from .accumulation_check import AccumulationLedger
 from .adaptive import step_claims
 from .checks import CheckRunner, RunView
+from .checks.base import MECHANISM
 from .checks.defaults import default_checks
 from .checks.runner import check_checks
 from .claim_range import check_claim
+from .claims import NO_NOISE
 from .ghost import check_ghost_options, is_ghost
 from .kinds.input_probe import check_input_model
 from .noised_step import canary_clipping
@@ -80,6 +82,7 @@ def steps(optimizer, kind, path, record, findings, mechanism, accountant, option
                          note_problem=findings.report)
     pipeline = StepPipeline(kind, path, record, paired=options.mode == "paired", check_every=check_every,
                             observe_steps=options.observe_steps, alarm=alarm, claims=claims, findings=findings)
+    record.declare({NO_NOISE: MECHANISM})  # a noise multiplier of 0, found by the claims (claims.py)
     if kind.probe.ghost is not None:  # ghost clipping's own coefficient check (ghost.py): dated at the coming step
         kind.probe.ghost.note_problem = lambda code, message, alarm: findings.report(
             code, message, pipeline.steps + 1, alarm)

@@ -33,7 +33,7 @@ from . import distributed as dist
 from . import assembly
 from .adaptive import mechanism_of
 from .checks import DATA_PATH, PIPELINE
-from .claims import normalisation_problem
+from .claims import audited_claim, normalisation_problem
 from .divergence import diverged_step
 from .findings_sink import FindingSink
 from .kinds import ALL_KIND_NAMES, canary_kind_for
@@ -112,13 +112,14 @@ class PrivacyAuditor:
         self.accountant = accountant if accountant is not None else find_accountant(optimizer)
         mechanism = mechanism_of(optimizer)  # adaptive clipping: the gradient's noise multiplier (adaptive.py)
         self.setup = setup_of(mechanism, options)
-        self.kind = canary_kind_for(optimizer, mechanism, options, module, np.random.default_rng(seed))
-        self.record = AuditRecord(self.kind.layer_claims, 1.0 / mechanism.noise_multiplier, confidence=options.confidence,
+        claim = audited_claim(mechanism)  # noise multiplier 0: no claim, the canaries wait under a stand-in one
+        self.kind = canary_kind_for(optimizer, claim, options, module, np.random.default_rng(seed))
+        self.record = AuditRecord(self.kind.layer_claims, 1.0 / claim.noise_multiplier, confidence=options.confidence,
                                   kinds=ALL_KIND_NAMES, window=options.observation_window)
         self.results = ResultAssembler(assembly.claim_of(optimizer, mechanism, options))
         findings = FindingSink(self.record)
         self.per_sample_check = exact = assembly.exact_check_of(checks)  # the exact check (None when not run)
-        self.path = assembly.release(path_class, optimizer, self.kind, mechanism, options, findings, seed, exact)
+        self.path = assembly.release(path_class, optimizer, self.kind, claim, options, findings, seed, exact)
         self.pipeline = assembly.steps(optimizer, self.kind, self.path, self.record, findings, mechanism,
                                        self.accountant, options, alarm=self._alarm, on_claim_change=self._claim_changed)
         self.checks = assembly.run_checks(
@@ -253,12 +254,16 @@ class PrivacyAuditor:
         self.pipeline.check()  # every rank calls this method, so every rank reaches the check
 
     def _claim_changed(self, mechanism) -> None:
-        """The optimizer's noise multiplier or clipping bounds changed: the next steps claim the new values."""
+        """The optimizer's noise multiplier or clipping bounds changed: the next steps claim the new values. A noise
+        multiplier of 0 claims nothing (the result's mu_claimed is inf): the canaries keep the last claim, and no
+        step is audited until it is positive again (pipeline.py)."""
+        self.results.claim = replace(self.results.claim, noise_multiplier=mechanism.noise_multiplier)
+        if mechanism.noise_multiplier == 0:
+            return
         self.kind.set_claim(mechanism)
         if hasattr(self.path, "noise_std"):
             self.path.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
         self.pipeline.segment = self.record.open_claim(self.kind.layer_claims, 1.0 / mechanism.noise_multiplier)
-        self.results.claim = replace(self.results.claim, noise_multiplier=mechanism.noise_multiplier)
 
     def _alarm(self) -> None:
         # the step the alarm is given at, for the alert and every summary: a finding made during a step (before it

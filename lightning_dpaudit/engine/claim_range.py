@@ -8,7 +8,8 @@
                                                                                    row is clipped to 0)
 
 Each `*_problem` function gives what is wrong, or None; `check_claim` refuses an optimizer whose claim is not one
-of these, naming the attribute.
+of these, naming the attribute. A noise multiplier of exactly 0 is not refused: it claims no privacy at all, which
+the audit reports as the violation `no_noise` (claims.py) rather than a set-up error.
 """
 
 from __future__ import annotations
@@ -76,12 +77,13 @@ def _not_a_number(name: str, value) -> float:
 
 def check_claim(optimizer) -> None:
     """The optimizer's noise multiplier and clipping bound(s) must make a privacy claim to audit, one float32 can hold
-    (above: each bound C and the noise's std sigma * C in float32's normal range)."""
+    (above: each bound C and the noise's std sigma * C in float32's normal range), or have a noise multiplier of
+    exactly 0: no noise, a void claim the audit reports as the finding `no_noise` (claims.py)."""
     sigma = _not_a_number("noise_multiplier", optimizer.noise_multiplier)
-    if not math.isfinite(sigma) or sigma <= 0:
+    if not math.isfinite(sigma) or sigma < 0:
         raise ValueError(
-            f"Unexpected value for the optimizer's noise_multiplier: {sigma}; "
-            "with no noise there is no privacy claim to audit (it must be a finite number > 0)"
+            f"Unexpected value for the optimizer's noise_multiplier: {sigma}; it must be a finite number > 0, or 0 "
+            "(no noise: the audit reports the violation `no_noise`)"
         )
     per_layer = getattr(optimizer, "max_grad_norms", None)
     tensors = len(optimizer.params)
@@ -99,7 +101,7 @@ def check_claim(optimizer) -> None:
         problem = bound_problem(bound)
         if problem is not None:
             raise ValueError(f"Unexpected value for the optimizer's max_grad_norm: {bound}; {problem}")
-    problem = noise_problem(sigma, float(claim_number(optimizer.max_grad_norm)))
+    problem = None if sigma == 0 else noise_problem(sigma, float(claim_number(optimizer.max_grad_norm)))
     if problem is not None:
         raise ValueError(f"Unexpected value for the optimizer's noise_multiplier: {sigma}; {problem}")
 

@@ -10,6 +10,11 @@ It also compares what the accountant recorded for the previous step with the noi
 multiplier that step used: a claim the accountant does not see (a hook that composes a
 noise multiplier of its own, a schedule that bypasses the accountant) makes the reported
 epsilon wrong whatever the noise, and is a set-up problem.
+
+A noise multiplier of exactly 0 (at attach or set later) is a void claim: the release is
+the clipped sum itself. It is the finding NO_NOISE (scope "mechanism", a certainty), not a
+refusal; its steps are released plain, with no canary (pipeline.py), while the canaries
+keep a claim that is a number (`audited_claim`) for the steps after it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,22 @@ import numpy as np
 
 from .claim_range import check_claim, claim_number
 from .options import Mechanism
+
+
+NO_NOISE = "no_noise"
+
+
+def no_noise_message(step: int) -> str:
+    return (f"the optimizer's noise multiplier is 0 from step {step}: the release is the clipped sum without noise, so "
+            "no (epsilon, delta) holds and the accountant's epsilon does not describe the run. Fix: restore "
+            "optimizer.noise_multiplier to the value the run was calibrated for (make_private's, or its schedule's)")
+
+
+def audited_claim(mechanism: Mechanism) -> Mechanism:
+    """The mechanism the canaries are sized and read against: the optimizer's, or, where its noise multiplier is 0
+    (no claim: no step is audited while it is), the same bounds under noise multiplier 1, so that the claim the
+    audit opens with, 1 / sigma, is a number. A later positive noise multiplier opens its own claim."""
+    return replace(mechanism, noise_multiplier=1.0) if mechanism.noise_multiplier == 0 else mechanism
 
 
 def claim_of(optimizer) -> tuple:
@@ -45,7 +66,8 @@ class StepClaims:
         self._baseline = None  # composed steps minus audited steps, read at the first audited step
 
     def before_step(self, step: int) -> Mechanism:
-        """The mechanism this step claims; calls on_change first when it differs from the last step's."""
+        """The mechanism this step claims; calls on_change first when it differs from the last step's (a noise
+        multiplier of 0 included: the step is then released without canaries, pipeline.py)."""
         self._follow_accountant(step)
         now = claim_of(self.optimizer)
         if now != self._read:

@@ -1,7 +1,9 @@
 """One audited step: plant -> release -> read -> record -> check.
 
 Before planting, the step's claim is read from the optimizer (claims.py): noise and
-clipping schedules change it between steps.
+clipping schedules change it between steps. A step at noise multiplier 0 claims nothing:
+the finding `no_noise` is reported at the first one, and the step is released plain, with
+no canary, as without the audit.
 
     plant    the canary kind draws this step's canaries               (kinds/)
     release  the release path puts them through the optimizer's own   (paths/)
@@ -47,6 +49,7 @@ import torch
 
 from ..analysis.record import AuditRecord
 from . import divergence
+from .claims import NO_NOISE, no_noise_message
 from .readings import PendingReadings
 
 
@@ -131,8 +134,9 @@ class StepPipeline:
             return
         step, kind, noised = self.steps, self.kind, self._noise.calls
         try:
-            if self.claims is not None:
-                self.claims.before_step(step)  # this step's claim; a new one opens its segment
+            if self.claims is not None and self.claims.before_step(step).noise_multiplier == 0:
+                self._without_noise(step)  # this step's claim is void; a new one opens its segment
+                return
             segment, readings = self.segment, []
             planted = kind.plant(step, all_in=self.paired)
             self.path.release(
@@ -150,6 +154,14 @@ class StepPipeline:
         except BaseException:
             self._finish_quietly()
             raise
+
+    def _without_noise(self, step: int) -> None:
+        """A step at noise multiplier 0: the finding no_noise at the first (claims.py), then the plain release (no
+        canary: read against a claim of 1 / 0 it would show nothing the finding does not) and the step's end."""
+        if not any(found.code == NO_NOISE for found in self.record.problems):
+            self.note_problem(NO_NOISE, no_noise_message(step + 1), step + 1)
+        self.path.release_plain()
+        self._end_step(step, [], self.segment)
 
     def _read(self, planted, view, step: int, readings: list) -> None:
         """The kind's reading of one release. A kind that reads on the host learns now whether the release is finite

@@ -240,11 +240,14 @@ class LiveEpsilon:
 
         RDP and GDP: equal to `get_epsilon(delta)` (RDP in identical floating point, GDP
         to brentq's tolerance). PRV: `get_epsilon(delta)` of the history extended to the
-        next grid count of total steps, so never below the value for `history` itself.
+        next grid count of total steps, so never below the value for `history` itself. A step composed at noise
+        multiplier 0 released without noise: inf (Opacus's RDP accountant says so; its PRV and GDP ones raise).
         """
         entries = self._composed(history)
         if not entries:
             return 0.0
+        if any(s == 0 for s, _, _ in entries):
+            return math.inf
         if self.accountant == "rdp":
             curves = [(self._exact_curve(s, q), n) for s, q, n in entries]
             return _rdp_epsilon(curves, self._alphas(), self.delta)
@@ -310,7 +313,10 @@ class LiveEpsilon:
         if self.accountant == "prv" and self.prv_mu_cap is not None:
             ratio = min(ratio, self.prv_mu_cap)
         ratio = _round_down(ratio, self.mu_resolution)
-        scaled = tuple((s / ratio, q, n) for s, q, n in entries)
+        # a step at noise multiplier 0 leaks without bound: leaving it out keeps the value a lower bound
+        scaled = tuple((s / ratio, q, n) for s, q, n in entries if s > 0)
+        if not scaled:
+            return 0.0
         if self.accountant == "gdp":
             s, q, n = scaled[-1]
             return _gdp_epsilon(s, q, n, self.delta, upper=False)
