@@ -18,7 +18,8 @@ from opacus import PrivacyEngine
 from pytorch_lightning.loggers import TensorBoardLogger
 from torch import nn
 
-from lightning_dpaudit import DPAuditCallback, PrivacyAuditor, make_private_digits
+from lightning_dpaudit import DPAuditCallback, PrivacyAuditor
+from lightning_dpaudit.datasets import make_private_digits
 from lightning_dpaudit.app.cli import main
 from lightning_dpaudit.engine.auditor import PrivacyViolationWarning
 
