@@ -135,7 +135,11 @@ class LineProgressBar(ProgressBar):
             return
         self._last = step
         metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}
+        audited = {k: metrics.pop(k) for k in ("eps_low", "eps_acc") if k in metrics}  # the audit's last logged step
+        at = metrics.pop("eps_step", None)
         shown = "".join(f", {k} {v:.4g}" if isinstance(v, float) else f", {k} {v}" for k, v in metrics.items())
+        if audited and at is not None:  # the epsilons named by the step they were computed at, which may be earlier
+            shown += f"; audit at step {int(at)}:" + ",".join(f" {k} {v:.4g}" for k, v in audited.items())
         total = f"/{self._total}" if self._total else ""
         print(f"step {step}{total}, epoch {trainer.current_epoch}{shown} ({time.perf_counter() - self._start:.1f} s)",
               flush=True)
