@@ -3,8 +3,8 @@ and the progress of crafting input canaries (shown when a run asks for it, silen
 
 import io
 import os
-import runpy
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
