@@ -140,5 +140,8 @@ class AuditLogging:
             final_model=section,
         )
         self.report_paths = (json_path, png_path)
+        bar = trainer.progress_bar_callback  # a live bar (Rich) would redraw its last numbers below the summary
+        if bar is not None:
+            bar.teardown(trainer, trainer.lightning_module, "fit")  # stops it as Lightning's teardown does, once
         print(summary_table({"result": result.to_dict(), **({"final_model": section} if section else {})}))
         print(f"audit report: {json_path} and {png_path}")
