@@ -147,3 +147,35 @@ def test_lightning_fit_without_noise_completes_with_a_report_and_the_gate_fails(
     assert result.violation and result.audit_failed is None and [f.code for f in result.findings] == ["no_noise"]
     assert (Path(logger.log_dir) / "audit_report.json").exists()
     assert main(["report", str(tmp_path)]) == 3
+
+
+@pytest.mark.parametrize("alert", ["stop", "raise"])
+def test_lightning_fit_without_noise_stops_only_as_the_alert_says(tmp_path, alert):
+    from lightning_dpaudit import PrivacyViolationError
+
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    optimizer.noise_multiplier = 0.0
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            images, labels = batch
+            return nn.functional.cross_entropy(self.model(images), labels)
+
+        def configure_optimizers(self):
+            return optimizer
+
+    callback = DPAuditCallback(alert=alert)
+    trainer = pl.Trainer(max_steps=STEPS, callbacks=[callback], logger=TensorBoardLogger(tmp_path, name="tb"),
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         accelerator="cpu")
+    if alert == "raise":
+        with pytest.raises(PrivacyViolationError, match="no_noise"):
+            trainer.fit(Classifier(), loader)
+    else:
+        trainer.fit(Classifier(), loader)
+    assert trainer.global_step < STEPS  # stopped at the alarm, as the alert asks
+    assert [f.code for f in callback.auditor.result().findings] == ["no_noise"]
