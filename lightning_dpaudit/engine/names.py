@@ -6,7 +6,8 @@ import weakref
 
 
 def layer_names(params, module, optimizer=None, owner=None) -> list:
-    """The names of the parameter tensors as the model calls them, without Opacus's `_module.` prefix.
+    """The names of the parameter tensors as the model calls them, without Opacus's `_module` wrapping (at the
+    root, or inside a LightningModule: `model._module.fc.weight` is `model.fc.weight`).
 
     With `module` they are read from it at once. Without it they come from the Opacus
     GradSampleModule that computes the parameters' per-sample gradients. Neither the
@@ -28,7 +29,7 @@ def layer_names(params, module, optimizer=None, owner=None) -> list:
 
 def name_from(names: list, params, module) -> bool:
     """Fill `names` in place from module.named_parameters(); True when every tensor has a name."""
-    found = {id(p): n.removeprefix("_module.") for n, p in module.named_parameters()}
+    found = {id(p): ".".join(part for part in n.split(".") if part != "_module") for n, p in module.named_parameters()}
     for i, p in enumerate(params):
         if id(p) in found:
             names[i] = found[id(p)]
