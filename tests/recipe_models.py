@@ -162,5 +162,4 @@ def lightning_run(seed: int, steps: int, *, second_optimizer: bool = False):
                          enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
     alert.trainer = trainer
     trainer.fit(Classifier(), loader)
-    result = callback.auditor.result()
-    return result
+    return callback.auditor.result()

@@ -1,28 +1,25 @@
 """Practitioner DP-SGD recipes, each a correct run and a buggy twin, audited as the guides show.
 
 One definition of each recipe, used by tests/test_recipes.py (one seed, a few steps) and bench/recipes.py (many
-seeds, long runs). Digits recipes use the bundled digits (lightning_dpaudit.datasets); the others synthetic
-tokens or a tiny Hugging Face model built from a config (nothing is downloaded). sigma 1, C 1 throughout.
+seeds, long runs); both put tests/ on the import path. Digits recipes use the bundled digits
+(lightning_dpaudit.datasets); the others synthetic tokens or a tiny Hugging Face model built from a config (nothing
+is downloaded). sigma 1, C 1 throughout.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Dict
 
 import torch
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import Subset, TensorDataset
+from torch.utils.data import Subset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from recipe_runs import Audit, Recipe, cross_entropy, loop, private, sgd_step  # noqa: E402
-
-from lightning_dpaudit.datasets import DigitsCNN, digits_dataset, make_private_digits  # noqa: E402
-from lightning_dpaudit.testing import inject_bug  # noqa: E402
+from lightning_dpaudit.datasets import DigitsCNN, digits_dataset, make_private_digits
+from lightning_dpaudit.testing import inject_bug
+from recipe_models import dp_gan_run, lightning_run, lora_run
+from recipe_runs import Audit, Recipe, cross_entropy, loop, private, sgd_step
 
 CE = nn.CrossEntropyLoss()
 
@@ -210,8 +207,6 @@ def sampling_run(seed: int, steps: int, *, poisson: bool = True):
 
 
 # ---------------------------------------------------------------------------------------------- the recipes
-
-from recipe_models import dp_gan_run, lightning_run, lora_run  # noqa: E402
 
 RECIPES: Dict[str, Recipe] = {r.name: r for r in [
     Recipe("plain-cnn", "digits CNN, Opacus hooks", "a layer left out of the DP optimizer, trained by plain SGD",
