@@ -87,7 +87,7 @@ def test_fsdp_pipeline_mistakes_are_flagged_and_mixed_precision_is_declined(tmp_
 def test_fsdp_a_rank_whose_exact_check_stopped_still_gathers_with_the_others(tmp_path):
     """The gathers are collectives: a rank leaving them would hang the others at the next checked step."""
     first, second = launch("check_fault", tmp_path, script="sharded_scenarios.py", timeout=240)
-    assert first["data_path"].startswith("stopped: RuntimeError: a fault of the check's own code (at step 1)")
+    assert first["data_path"].startswith("stopped at step 2: RuntimeError: a fault of the check's own code")
     assert second["data_path"].startswith("4 step(s) compared"), second["data_path"]  # steps 1, 3, 5, 7
     for rank in (first, second):
         assert rank["steps"] == 9 and rank["findings"] == [] and rank["gap"] <= 1e-6
