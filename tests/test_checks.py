@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from lightning_modules import DigitsClassifier
 
 from lightning_dpaudit import Check, CheckStoppedWarning, PrivacyAuditor, default_checks
 from lightning_dpaudit.datasets import make_private_digits, train_steps
@@ -218,23 +219,11 @@ def lightning_run(precision: str, **options):
 
     model, optimizer, loader, _ = make_private_digits(seed=0)
 
-    class Classifier(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch, batch_idx):
-            images, labels = batch
-            return torch.nn.functional.cross_entropy(self.model(images), labels)
-
-        def configure_optimizers(self):
-            return optimizer
-
     callback = DPAuditCallback(seed=3, per_sample_check_every=5, per_sample_check_budget=1.0, report=False,
                                alert=lambda result: None, **options)
     trainer = pl.Trainer(max_steps=STEPS, callbacks=[callback], precision=precision, enable_progress_bar=False,
                          logger=False, enable_checkpointing=False, enable_model_summary=False)
-    trainer.fit(Classifier(), loader)
+    trainer.fit(DigitsClassifier(model, optimizer), loader)
     return callback.auditor.result()
 
 

@@ -16,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 from opacus import PrivacyEngine
 from pytorch_lightning.loggers import TensorBoardLogger
+from lightning_modules import DigitsClassifier
 from torch import nn
 
 from lightning_dpaudit import DPAuditCallback, PrivacyAuditor
@@ -121,18 +122,6 @@ def test_lightning_fit_without_noise_completes_with_a_report_and_the_gate_fails(
     model, optimizer, loader, _ = make_private_digits(seed=0)
     optimizer.noise_multiplier = 0.0  # after make_private: the blatant bug
 
-    class Classifier(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch, batch_idx):
-            images, labels = batch
-            return nn.functional.cross_entropy(self.model(images), labels)
-
-        def configure_optimizers(self):
-            return optimizer
-
     callback = DPAuditCallback()  # the default alert: a warning, training goes on
     logger = TensorBoardLogger(tmp_path, name="tb")
     pl.seed_everything(0, verbose=False)
@@ -140,7 +129,7 @@ def test_lightning_fit_without_noise_completes_with_a_report_and_the_gate_fails(
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          accelerator="cpu")
     with pytest.warns(PrivacyViolationWarning, match=r"no_noise: the optimizer's noise multiplier is 0 from step 1"):
-        trainer.fit(Classifier(), loader)
+        trainer.fit(DigitsClassifier(model, optimizer), loader)
 
     assert trainer.global_step == STEPS  # the fit completed
     result = callback.auditor.result()
@@ -156,26 +145,14 @@ def test_lightning_fit_without_noise_stops_only_as_the_alert_says(tmp_path, aler
     model, optimizer, loader, _ = make_private_digits(seed=0)
     optimizer.noise_multiplier = 0.0
 
-    class Classifier(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch, batch_idx):
-            images, labels = batch
-            return nn.functional.cross_entropy(self.model(images), labels)
-
-        def configure_optimizers(self):
-            return optimizer
-
     callback = DPAuditCallback(alert=alert)
     trainer = pl.Trainer(max_steps=STEPS, callbacks=[callback], logger=TensorBoardLogger(tmp_path, name="tb"),
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          accelerator="cpu")
     if alert == "raise":
         with pytest.raises(PrivacyViolationError, match="no_noise"):
-            trainer.fit(Classifier(), loader)
+            trainer.fit(DigitsClassifier(model, optimizer), loader)
     else:
-        trainer.fit(Classifier(), loader)
+        trainer.fit(DigitsClassifier(model, optimizer), loader)
     assert trainer.global_step < STEPS  # stopped at the alarm, as the alert asks
     assert [f.code for f in callback.auditor.result().findings] == ["no_noise"]
