@@ -8,7 +8,7 @@ import math
 from .final_model import summary_lines as final_model_lines
 from .formatting import as_number as _num
 from .formatting import fixed as _f
-from .results import DIVERGED, DOES_NOT_DESCRIBE, pipeline_codes, violation_moment
+from .verdict import DIVERGED, DOES_NOT_DESCRIBE, pipeline_codes, violation_moment
 
 
 def summary_table(report: dict) -> str:

@@ -89,12 +89,16 @@ def _plain(options: dict) -> dict:
 
 
 def _versions() -> dict:
-    import opacus
-    import pytorch_lightning as pl
+    """The installed versions of the package and of what it audits with (as the package metadata states them)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return "unknown"
 
-    return {"lightning_dpaudit": __version__, "torch": torch.__version__, "opacus": opacus.__version__, "pytorch_lightning": pl.__version__}
+    return {name: installed(name) for name in ("lightning_dpaudit", "torch", "opacus", "pytorch_lightning")}
 
 
 def _to_checkpoint(value):
