@@ -38,9 +38,14 @@ def test_demo_output_is_compact_when_not_a_terminal(tmp_path):
     assert 5 <= len(progress) <= 11 and progress[-1].startswith(f"step {DEMO_STEPS}/{DEMO_STEPS}, epoch ")
     shown = [line for line in progress if "eps_low" in line]
     assert shown and all("eps_step" not in line for line in shown)
-    for line in shown:  # each line's epsilons name the step they were computed at, never a later one
-        at = re.search(r"^step (\d+)/\d+.*; audit at step (\d+): eps_low [\d.e+-]+", line)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent)).Reload()
+    accountant = {e.step: e.value for e in logs.Scalars("dpaudit/eps_accountant")}
+    for line in shown:  # each line's epsilons are those TensorBoard holds for the step they name, never a later one
+        at = re.search(r"^step (\d+)/\d+.*; audit at step (\d+): eps_low [\d.e+-]+, eps_acc ([\d.e+-]+)", line)
         assert at and int(at.group(2)) <= int(at.group(1)), line
+        assert float(at.group(3)) == pytest.approx(accountant[int(at.group(2))], rel=1e-3), line
     assert "torch threads: 1 (--threads)" in text and "OK: no leak beyond the claim detected" in text
 
 

@@ -84,9 +84,11 @@ class AuditLogging:
             metrics[f"dpaudit/layers/{layer.name}/mu_lower_bound"] = layer.mu_lower_bound
         self._write_metrics(trainer, _finite(metrics), step)
         if progress_bar:
-            # the epsilons are from the last logged step, not the bar's: eps_step says which
-            bar = {"eps_low": result.epsilon_lower_bound, "eps_acc": result.epsilon_accountant, "eps_step": float(step)}
-            pl_module.log_dict({k: v for k, v in bar.items() if math.isfinite(v)}, prog_bar=True, logger=False)
+            # the epsilons are from the last step they were computed at, not the bar's: eps_step says which, and
+            # moves only with them (a step whose accounting the time budget skipped leaves all three as they were)
+            bar = {"eps_low": result.epsilon_lower_bound, "eps_acc": result.epsilon_accountant}
+            if all(math.isfinite(v) for v in bar.values()):
+                pl_module.log_dict({**bar, "eps_step": float(step)}, prog_bar=True, logger=False)
 
     def _remember_epsilons(self, result: AuditResult) -> None:
         self.history.append(
