@@ -59,10 +59,9 @@ CODE = "per_sample_gradients"
 class PerSampleCheck(Check):
     """Compares Opacus's per-sample gradients (or ghost norms) of real examples with plain autograd.
 
-    `names` the tensors' names; the run view (attach) gives the GradSampleModule (found at the model's first forward
-    pass), the step count and the finding sink. Its own failure stops it alone (`stopped`); under FSDP it still
-    gathers where the other ranks do. It also schedules the exact checks' steps for the further replays that run
-    with it (`due`, `further`: run checks of coupling.py, which register at attach).
+    The run view (attach) gives the tensors, their names, the GradSampleModule and the step count. Its own failure
+    stops it alone (`stopped`); under FSDP it still gathers where the other ranks do. It schedules the exact checks'
+    steps for the replays that run with it (`due`, `further`: coupling.py's check registers at attach).
     """
 
     name = "per-sample gradients"
@@ -83,8 +82,8 @@ class PerSampleCheck(Check):
         self.target: Optional[torch.nn.Module] = None
         self.handles: list = []
         self.calls: List[Call] = []
-        self.checked = 0
-        self.view_records = 0  # the views per record, once records of several views were compared (views.py)  # steps whose examples were compared
+        self.checked = 0  # steps whose examples were compared
+        self.view_records = 0  # the views per record, once records of several views were compared (views.py)
         self.eps = EPS32  # the unit roundoff of the lowest precision the last checked step computed in
         self.replays = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
         self.skipped: Optional[str] = None  # why the last due step could not be compared
@@ -102,9 +101,6 @@ class PerSampleCheck(Check):
         self.budget = CheckBudget(1.0 if self.sharded else self.share)
         self.rng = np.random.default_rng(None if run.seed is None else [run.seed, 27])
         self.ledger = run.ledger() if self.every > 0 else None
-
-    def note_problem(self, code: str, message: str, step: int) -> None:
-        self.run.report(code, message, step)
 
     def status(self) -> str:
         """One line for the result: what was compared, or why nothing was."""
@@ -203,7 +199,7 @@ class PerSampleCheck(Check):
                 problem = None if self.ledger is None else self.ledger.problem(self.eps)
             self.budget.step_checked()
             if problem is not None:
-                self.note_problem("clipped_sum", f"{problem} (step {step})", step)
+                self.run.report("clipped_sum", f"{problem} (step {step})", step)
         except Exception as error:  # the check's own failure never ends training; the alarm's is the user's
             if self.run.passes_on(error):
                 raise
@@ -231,13 +227,16 @@ class PerSampleCheck(Check):
         if len(calls) > 1 and calls[-2].backward == call.backward:
             self.skipped = "the model ran forward more than once before one backward pass"
             return
-        held = self._held(call.batch, sum(c.batch for c in calls))
+        held, why = opacus_rows(self.params, call.batch, sum(c.batch for c in calls), ghost=self.ghost,
+                                sharded=self.sharded, on_modules=module_norms(self.module()) if self.sharded else {})
         if held is None:
+            self.skipped = why
             return
         views = call.batch // held_rows(held, call.batch)
         if views > 1:
             return self._compare_views(call, held, views, step)
-        expected = self._autograd(call)
+        with self._replaying():  # expected[position][tensor]: s * d<out_i, g_i>/dp by plain autograd, hooks off
+            expected = self._expected(call, self.module())
         gsm = self.module()
         C = float(self.optimizer.max_grad_norm)
         self.eps = precision([*call.outputs.values(), *held], [dtype for _, dtype in call.autocast])
@@ -250,7 +249,7 @@ class PerSampleCheck(Check):
             if problem is None and self.ghost:
                 problem = coefficient_problem(gsm, int(i), total, C, rtol)
             if problem is not None:
-                self.note_problem(CODE, f"{problem} at step {step} (example {int(i)} of the batch)", step)
+                self.run.report(CODE, f"{problem} at step {step} (example {int(i)} of the batch)", step)
                 return
 
     def _compare_views(self, call: Call, held: list, views: int, step: int) -> None:
@@ -297,42 +296,6 @@ class PerSampleCheck(Check):
             self.further.remove(further)
             self.run.stop(further, error)
             return False
-
-    def _held(self, batch: int, stacked: int):
-        """What Opacus holds per tensor for the last batch: (kind, rows) with rows[i] example i's entry, or None."""
-        held = []
-        on_modules = module_norms(self.module()) if self.sharded else {}
-        for p in self.params:
-            if self.ghost:
-                norms = on_modules.get(id(p)) if self.sharded else getattr(p, "_norm_sample", None)
-                if norms is not None and norms.shape[0] != batch:
-                    self.skipped = f"the per-sample norms hold {norms.shape[0]} rows, the last batch {batch}"
-                    return None
-                held.append(norms)
-                continue
-            samples = getattr(p, "grad_sample", None)
-            if isinstance(samples, list):
-                samples = torch.cat(samples, dim=0)
-            if samples is not None:
-                rows = samples.shape[0]
-                several_views = not self.sharded and 0 < rows < batch and batch % rows == 0  # views.py
-                if rows not in (batch, stacked) and not several_views:
-                    self.skipped = f"the per-sample gradients hold {rows} rows, the last batch {batch}"
-                    return None
-                if several_views and held and any(h is not None and h.shape[0] != rows for h in held):
-                    self.skipped = "the per-sample gradients of the tensors hold different numbers of rows"
-                    return None
-                if several_views:
-                    held.append(samples)
-                    continue
-                samples = samples[samples.shape[0] - batch:]
-            held.append(samples)
-        return held
-
-    def _autograd(self, call: Call) -> list:
-        """expected[position][tensor]: s * d<out_i, g_i>/dp by plain autograd (Opacus's hooks off, inputs and RNG replayed)."""
-        with self._replaying():
-            return self._expected(call, self.module())
 
     @contextlib.contextmanager
     def _replaying(self):
@@ -398,3 +361,31 @@ class PerSampleCheck(Check):
 def held_rows(held: list, batch: int) -> int:
     """The rows Opacus holds per tensor for the last batch (`batch` when it holds none)."""
     return next((int(h.shape[0]) for h in held if h is not None), batch)
+
+
+def opacus_rows(params, batch: int, stacked: int, *, ghost: bool, sharded: bool, on_modules: dict):
+    """(held, None): what Opacus holds per tensor for the last batch, held[t][i] example i's entry (ghost clipping:
+    norms; under FSDP the modules' `on_modules`); rows for records of several views as they are (views.py).
+    (None, why) when the rows cannot be matched to the batch's examples."""
+    held = []
+    for p in params:
+        if ghost:
+            norms = on_modules.get(id(p)) if sharded else getattr(p, "_norm_sample", None)
+            if norms is not None and norms.shape[0] != batch:
+                return None, f"the per-sample norms hold {norms.shape[0]} rows, the last batch {batch}"
+            held.append(norms)
+            continue
+        samples = getattr(p, "grad_sample", None)
+        if isinstance(samples, list):
+            samples = torch.cat(samples, dim=0)
+        if samples is not None:
+            rows = samples.shape[0]
+            several_views = not sharded and 0 < rows < batch and batch % rows == 0  # views.py
+            if rows not in (batch, stacked) and not several_views:
+                return None, f"the per-sample gradients hold {rows} rows, the last batch {batch}"
+            if several_views and any(h is not None and h.shape[0] != rows for h in held):
+                return None, "the per-sample gradients of the tensors hold different numbers of rows"
+            if not several_views:
+                samples = samples[samples.shape[0] - batch:]
+        held.append(samples)
+    return held, None

@@ -72,9 +72,6 @@ class RunView:
     stop: Callable = lambda check, error: None
     busy: int = 0  # > 0 while the audit itself runs the model (canaries, replays): nothing of it is the data's
 
-    def note_problem(self, code: str, message: str, step: int) -> None:
-        self.report(code, message, step)
-
     @contextlib.contextmanager
     def own_work(self):
         """The audit runs the model or the optimizer's code itself: checks see none of it as the data's."""

@@ -75,9 +75,7 @@ class CheckRunner:
         try:
             return getattr(check, hook)(*args)
         except Exception as error:
-            if self.passes_on(error):
-                raise
-            self.stop(check, error)
+            self._fault(check, error)
             return None
 
     def _each(self, hook: str, *args) -> None:
@@ -86,9 +84,7 @@ class CheckRunner:
             try:
                 method(*args)
             except Exception as error:
-                if self.passes_on(error):
-                    raise
-                self.stop(check, error)
+                self._fault(check, error)
 
     def attach(self) -> None:
         for check in tuple(self.checks):
@@ -154,9 +150,9 @@ class CheckRunner:
         try:
             check.around_step(step, rest)
         except Exception as error:
-            if (raised and error is raised[0]) or self.passes_on(error):
+            if raised and error is raised[0]:
                 raise
-            self.stop(check, error)
+            self._fault(check, error)
         if raised:  # the step's own error, swallowed by the wrapper: passed on all the same
             raise raised[0]
         if not ran:
@@ -165,6 +161,12 @@ class CheckRunner:
             self._nest(inner, step, run_step)
 
     # ------------------------------------------------------------------ faults
+
+    def _fault(self, check: Check, error: Exception) -> None:
+        """What `check` raised: passed on when it is the alarm's own, else the check is stopped."""
+        if self.passes_on(error):
+            raise error
+        self.stop(check, error)
 
     def stop(self, check: Check, error: BaseException) -> None:
         """Stop `check` alone: out of every hook, closed, its status and the result saying so."""
@@ -194,11 +196,8 @@ class CheckRunner:
 
     def _status(self, check: Check) -> str:
         """The check's own line (which may say it stopped itself), or the runner's when it stopped it."""
-        if check.stopped is None or overrides(check, "status") and check in self.hooks["status"]:
-            line = self._call(check, "status")
-            if check.stopped is None or line:
-                return line or ""
-        return f"{check.name} ({check.stopped})"
+        line = self._call(check, "status") if check in self.hooks["status"] else ""
+        return line or (f"{check.name} ({check.stopped})" if check.stopped is not None else "")
 
     def find(self, kind: type) -> Optional[Check]:
         """The first check of class `kind` this runner runs, or None."""

@@ -258,7 +258,7 @@ class CouplingCheck(RunCheck):
                    if a.is_floating_point() and same_rows(a, after) and not same_rows(b, a)]
         if learned and OUTSIDE_DP not in self.found:
             self.found.add(OUTSIDE_DP)
-            self.run.note_problem(OUTSIDE_DP, f"{DOES_NOT_DESCRIBE}: the buffer(s) {listed(learned)} are updated from the "
+            self.run.report(OUTSIDE_DP, f"{DOES_NOT_DESCRIBE}: the buffer(s) {listed(learned)} are updated from the "
                                   "examples in training (running statistics) and released with the model without noise",
                                   step)
 
@@ -341,7 +341,7 @@ class CouplingCheck(RunCheck):
     def _found(self, message: str, step: int) -> bool:
         if CODE not in self.found:
             self.found.add(CODE)
-            self.run.note_problem(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
+            self.run.report(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
         return True
 
     def close(self) -> None:

@@ -152,7 +152,7 @@ class MultiplicityCheck(RunCheck):
 
     def __init__(self):
         self.compared = 0
-        self.shapes: list = []  # the tensor shapes of each batch delivered since the last noised step
+        self.shapes: list = []  # the tensor shapes of each batch with unknown records since the last noised step
         self.fed = False  # batches reach the check (a loader or the callback feeds it)
         self.found = False
         self.dataset_duplicates = 0  # rows of the dataset equal to an earlier row (when it was scanned)
@@ -167,7 +167,8 @@ class MultiplicityCheck(RunCheck):
             self._found(problem, 0)
 
     def batch(self, batch) -> None:
-        self.shapes.append([tuple(t.shape) for t in batch.tensors])
+        if batch.records is None:  # a layout whose records are unknown: kept for _sequence_first
+            self.shapes.append([tuple(t.shape) for t in batch.tensors])
 
     def step(self, seen) -> None:
         """The rows the optimizer clipped for the step against the records the loader delivered for it."""
@@ -191,7 +192,7 @@ class MultiplicityCheck(RunCheck):
         inputs = [s for s in shapes if len(s) >= 2 and s[0] == rows and s[1] in targets]
         if inputs:
             self.found = True
-            self.run.note_problem(ROWS_NOT_RECORDS, (
+            self.run.report(ROWS_NOT_RECORDS, (
                 f"{DOES_NOT_DESCRIBE}: the optimizer clipped {rows} rows at step {step}, the leading size of the batch's "
                 f"inputs of shape {list(inputs[0])}, whose second dimension holds the {inputs[0][1]} records its targets "
                 "count: the rows are not records (sequence-first data read as batch-first; make_private(..., "
@@ -199,7 +200,7 @@ class MultiplicityCheck(RunCheck):
 
     def _found(self, message: str, step: int) -> None:
         self.found = True
-        self.run.note_problem(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
+        self.run.report(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
 
     def notes(self) -> list:
         if not self.dataset_duplicates:

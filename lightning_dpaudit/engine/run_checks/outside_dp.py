@@ -110,7 +110,7 @@ class OutsideDPCheck(RunCheck):
 
     def _found(self, message: str, step: int) -> None:
         self.found = True
-        self.run.note_problem(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
+        self.run.report(CODE, f"{DOES_NOT_DESCRIBE}: {message}", step)
 
     def notes(self) -> list:
         if not self.post_processed:

@@ -188,7 +188,7 @@ class SamplingCheck(RunCheck):
 
     def _found(self, message: str, step: int) -> None:
         self.found = True
-        self.run.note_problem(CODE, f"{DOES_NOT_DESCRIBE}: {message}", max(step, 0))
+        self.run.report(CODE, f"{DOES_NOT_DESCRIBE}: {message}", max(step, 0))
 
     def flush(self) -> None:
         self._read_prints()
