@@ -117,8 +117,11 @@ def lightning_run(seed: int, steps: int, *, second_optimizer: bool = False):
 
     from lightning_dpaudit import DPAuditCallback
 
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_dpaudit"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric",
+                                                     "lightning_dpaudit")]
+    levels = [logger.level for logger in loggers]  # quiet for this run only: later tests read these loggers
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     pl.seed_everything(seed, verbose=False)
     if second_optimizer:
         model = DigitsCNN()
@@ -161,5 +164,9 @@ def lightning_run(seed: int, steps: int, *, second_optimizer: bool = False):
     trainer = pl.Trainer(max_steps=steps, callbacks=[callback], precision="bf16-mixed", accelerator="cpu", logger=False,
                          enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
     alert.trainer = trainer
-    trainer.fit(Classifier(), loader)
+    try:
+        trainer.fit(Classifier(), loader)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     return callback.auditor.result()
