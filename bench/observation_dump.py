@@ -1,6 +1,7 @@
 """Observations and results of a set of configurations, as digests: two versions of the audit compared bit for bit.
 
-Each configuration trains the bundled digits CNN for `--steps` steps under a seed, audited; the digest covers every
+Fourteen configurations (every grad_sample_mode the digits CNN takes, per-layer and adaptive clipping, sum
+reduction, paired, each canary family, cadences, shuffled batches) x 2 seeds. Each configuration trains the bundled digits CNN for `--steps` steps under a seed, audited; the digest covers every
 observation array and the result's numbers, findings and statuses. Run it on two checkouts and compare the files:
 
     OMP_NUM_THREADS=1 PYTHONPATH=<checkout> .venv/bin/python bench/observation_dump.py --out before.json
@@ -29,6 +30,9 @@ CONFIGS = {
     "observe-10": ({}, {"observe_steps": 10}),
     "exact-every-3": ({}, {"per_sample_check_every": 3}),
     "mislabeled": ({}, {"canary": "mislabeled", "canaries_per_step": 8}),
+    "adaptive": ({"clipping": "adaptive", "target_unclipped_quantile": 0.5, "clipbound_learning_rate": 0.2,
+                  "max_clipbound": 10.0, "min_clipbound": 0.1, "unclipped_num_std": 20.0}, {}),
+    "not-poisson": ({"poisson_sampling": False}, {}),
 }
 
 
