@@ -116,7 +116,7 @@ def timed(run, steps: int, start_step: int) -> float:
 
 
 def main() -> None:
-    from lightning_dpaudit.engine.per_sample_check import DEFAULT_EVERY
+    from lightning_dpaudit.engine.checks.exact.per_sample import DEFAULT_EVERY
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["digits64", "digits512", "transformer10M"])

@@ -46,7 +46,7 @@ import torch
 
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
 from lightning_dpaudit.integrations.digits import digits_holdout, make_private_digits, train_steps
-from lightning_dpaudit.engine.kinds.input_canaries import INPUT_KINDS
+from lightning_dpaudit.engine.canaries.input_canaries import INPUT_KINDS
 from lightning_dpaudit.testing import HOLDOUT
 
 

@@ -12,7 +12,7 @@ the first step of the first run-check finding and the start of its message. A co
 per setting (plain, plain with BatchMemoryManager, Lightning) shows that the checks stay quiet
 on a correct run.
 
-The four kinds are the run checks' finding codes (lightning_dpaudit/engine/run_checks/):
+The four kinds are the run checks' finding codes (lightning_dpaudit/engine/checks/run/):
 `sampling`, `multiplicity`, `coupled_examples`, `outside_dp`. A mistake counts as flagged when
 the audit reports any of them.
 

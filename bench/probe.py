@@ -412,7 +412,7 @@ def input_cases():
 def _input_object_case(change, names):
     def run():
         quiet()
-        from lightning_dpaudit.engine.kinds.input_canaries import InputCanaries
+        from lightning_dpaudit.engine.canaries.input_canaries import InputCanaries
         from lightning_dpaudit.integrations.digits import digits_holdout
 
         x, y = digits_holdout(16)
@@ -428,7 +428,7 @@ def _input_object_case(change, names):
 
 def _run_input_object(kind, kwargs, names):
     from lightning_dpaudit import PrivacyAuditor
-    from lightning_dpaudit.engine.kinds.input_canaries import InputCanaries
+    from lightning_dpaudit.engine.canaries.input_canaries import InputCanaries
 
     reference = plain_params({"holdout": 16}, STEPS)
 

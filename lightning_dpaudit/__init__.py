@@ -39,7 +39,7 @@ _LAZY = {
     # the audit of every step: plain PyTorch and Lightning
     "PrivacyAuditor": "engine.auditor",
     "DPAuditCallback": "integrations.callback",
-    "InputCanaries": "engine.kinds.input_canaries",  # canary= for input canaries, in full
+    "InputCanaries": "engine.canaries.input_canaries",  # canary= for input canaries, in full
     # checks: the defaults, and the interface of your own
     "Check": "engine.checks.base",
     "default_checks": "engine.checks.defaults",
@@ -50,7 +50,7 @@ _LAZY = {
     # alerts and errors
     "PrivacyViolationWarning": "engine.auditor",
     "PrivacyViolationError": "integrations.callback",
-    "AuditFailedWarning": "engine.pipeline",
+    "AuditFailedWarning": "engine.step.pipeline",
     "CheckStoppedWarning": "engine.checks.runner",
     "AuditStateError": "engine.state",
     # the final-model audit
@@ -77,8 +77,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .engine.checks.defaults import default_checks
     from .engine.checks.runner import CheckStoppedWarning
     from .engine.final_model import FinalModelCanaries
-    from .engine.kinds.input_canaries import InputCanaries
-    from .engine.pipeline import AuditFailedWarning
+    from .engine.canaries.input_canaries import InputCanaries
+    from .engine.step.pipeline import AuditFailedWarning
     from .engine.state import AuditStateError
     from .integrations.callback import DPAuditCallback, PrivacyViolationError
     from .integrations.final_model_data import CanaryDataModule

@@ -330,7 +330,7 @@ def sample_rate(rank, world, options):
 def disagreement(rank, world, options):
     """The last rank asks for other canaries than the rest: every rank refuses at attach."""
     from lightning_dpaudit import PrivacyAuditor
-    from lightning_dpaudit.engine.distributed import DistributedSetupError
+    from lightning_dpaudit.engine.release.distributed import DistributedSetupError
 
     _, optimizer, _, _ = _private(rank, world)
     try:

@@ -74,7 +74,7 @@ def bugs(rank, world, options):
     from ghost_setups import train_ghost
     from lightning_dpaudit import PrivacyAuditor
     from lightning_dpaudit.bugs import inject_bug
-    from lightning_dpaudit.engine.per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY
+    from lightning_dpaudit.engine.checks.exact.per_sample import DEFAULT_BUDGET, DEFAULT_EVERY
 
     found = {}
     for name in options["names"]:

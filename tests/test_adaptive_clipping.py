@@ -1,4 +1,4 @@
-"""Adaptive clipping audited: AdaClipDPOptimizer and adaptive ghost clipping (engine/adaptive.py).
+"""Adaptive clipping audited: AdaClipDPOptimizer and adaptive ghost clipping (engine/claims/adaptive.py).
 
 The canaries must not move the clipping bound (training equals the plain run), a step claims
 the gradient's own noise multiplier, and an accountant that composes less than the gradient
@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.engine.adaptive import CODE, StepNoise, adjusted
+from lightning_dpaudit.engine.claims.adaptive import CODE, StepNoise, adjusted
 from lightning_dpaudit.engine.auditor import PrivacyViolationWarning
-from lightning_dpaudit.engine.pipeline import AuditFailedWarning
+from lightning_dpaudit.engine.step.pipeline import AuditFailedWarning
 from lightning_dpaudit.integrations.opacus_history import historical_bug
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")

@@ -13,8 +13,8 @@ from lightning_dpaudit import DPAuditCallback, PrivacyAuditor, PrivacyViolationE
 from lightning_dpaudit.analysis.report import summary_table, write_report
 from lightning_dpaudit.analysis.report_reading import ReportError, load_report
 from lightning_dpaudit.bugs import inject_bug
-from lightning_dpaudit.engine.kinds.gradient import GradientCanaries
-from lightning_dpaudit.engine.pipeline import AuditFailedWarning
+from lightning_dpaudit.engine.canaries.gradient import GradientCanaries
+from lightning_dpaudit.engine.step.pipeline import AuditFailedWarning
 from lightning_dpaudit.engine.state import AuditStateError
 from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
 from test_callback import Private, _fit

@@ -471,7 +471,7 @@ def test_a_failure_inside_an_audited_step_leaves_plain_training_working(where):
         raise RuntimeError(f"failure in {where}")
 
     setattr(target, name, broken)
-    from lightning_dpaudit.engine.pipeline import AuditFailedWarning
+    from lightning_dpaudit.engine.step.pipeline import AuditFailedWarning
 
     with _pytest.warns(AuditFailedWarning, match=f"failure in {where}"):
         _train(model, optimizer, loader, 1)  # the step ends without the audit, which detaches itself
@@ -553,7 +553,7 @@ from opacus import PrivacyEngine as _PrivacyEngine
 from torch.utils.data import DataLoader as _DataLoader
 from torch.utils.data import Subset as _Subset
 
-from lightning_dpaudit.engine.kinds.input_canaries import InputCanaries as _InputCanaries
+from lightning_dpaudit.engine.canaries.input_canaries import InputCanaries as _InputCanaries
 from lightning_dpaudit.integrations.digits import digits_dataset as _digits
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.engine.kinds.canary_plan import plan
+from lightning_dpaudit.engine.canaries.canary_plan import plan
 from lightning_dpaudit.integrations.digits import make_private_digits
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")

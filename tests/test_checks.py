@@ -169,7 +169,7 @@ def test_a_check_that_raises_is_stopped_alone_and_training_is_plain_opacus(hook,
 
 
 def test_the_exact_check_stopping_leaves_the_rows_check_comparing(monkeypatch):
-    from lightning_dpaudit.engine.per_sample_check import PerSampleCheck
+    from lightning_dpaudit.engine.checks.exact.per_sample import PerSampleCheck
 
     def broken(self, calls, step):
         raise TypeError("Float did not match BFloat16")

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dpaudit.engine.kinds.canaries import KINDS
+from lightning_dpaudit.engine.canaries.gradient_canaries import KINDS
 from lightning_dpaudit.app.cli import GRADIENT_CANARIES, INPUT_CANARIES, main
 from lightning_dpaudit.app.demo import INPUT_DEMO, DigitsDataModule, demo_plan, held_out_digits
-from lightning_dpaudit.engine.kinds.input_canaries import INPUT_KINDS
+from lightning_dpaudit.engine.canaries.input_canaries import INPUT_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import torch
 
 from lightning_dpaudit import PrivacyAuditor
 from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
-from lightning_dpaudit.engine.probe import CompressedRowsFallbackWarning
+from lightning_dpaudit.engine.canaries.gradient_probe import CompressedRowsFallbackWarning
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
 

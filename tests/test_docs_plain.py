@@ -436,7 +436,7 @@ def test_input_canaries_import_from_the_package():
     """The input-canary guide builds InputCanaries from the top level, as every public name."""
     import lightning_dpaudit
     from lightning_dpaudit import InputCanaries
-    from lightning_dpaudit.engine.kinds.input_canaries import InputCanaries as defined
+    from lightning_dpaudit.engine.canaries.input_canaries import InputCanaries as defined
 
     assert InputCanaries is defined and "InputCanaries" in lightning_dpaudit.__all__
     assert "from lightning_dpaudit import InputCanaries" in (ROOT / "docs/guide/input-canaries.md").read_text()

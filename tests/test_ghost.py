@@ -11,7 +11,7 @@ from ghost_setups import flat_params, make_ghost, token_model, train_ghost
 from torch import nn
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.engine.ghost import GhostClipping, ModuleRef, grad_sample_module_in
+from lightning_dpaudit.engine.release.ghost import GhostClipping, ModuleRef, grad_sample_module_in
 from lightning_dpaudit.integrations.bugs import GHOST_BUGS, inject_bug
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.engine.kinds import input_probe
+from lightning_dpaudit.engine.canaries import input_probe
 from lightning_dpaudit.bugs import inject_bug
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_holdout, make_private_digits, train_steps
-from lightning_dpaudit.engine.kinds.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
-from lightning_dpaudit.engine.kinds.input_probe import InputProbe, pivoted_cholesky, symmetric_decorrelation
+from lightning_dpaudit.engine.canaries.input_canaries import InputCanaries, craft, make_input_canaries, mean_gradient, per_example_gradients
+from lightning_dpaudit.engine.canaries.input_probe import InputProbe, pivoted_cholesky, symmetric_decorrelation
 from lightning_dpaudit.testing import train_audited
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")

@@ -1,4 +1,4 @@
-"""The exact per-sample check (engine/per_sample_check.py): quiet on correct Opacus, a named finding on a wrong one.
+"""The exact per-sample check (engine/checks/exact/per_sample.py): quiet on correct Opacus, a named finding on a wrong one.
 
 Deterministic: a finding is a mismatch beyond floating-point tolerance, so these tests
 have no false-failure rate beyond float rounding (tolerance 1e-3 relative)."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_dpaudit.app.cli import DEMO_THREADS, build_parser, main
-from lightning_dpaudit.engine.kinds.input_canaries import InputCanaries, show_progress
+from lightning_dpaudit.engine.canaries.input_canaries import InputCanaries, show_progress
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_holdout
 
 ROOT = Path(__file__).resolve().parents[1]

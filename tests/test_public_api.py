@@ -45,7 +45,7 @@ def test_the_documented_names_are_public():
         "AuditFailedWarning", "AuditStateError", "InputCanaries", "Check", "default_checks", "CheckStoppedWarning",
     }
     assert documented == set(lightning_dpaudit.__all__) - {"__version__"}  # the audit, its checks, results, errors
-    from lightning_dpaudit.engine.pipeline import AuditFailedWarning
+    from lightning_dpaudit.engine.step.pipeline import AuditFailedWarning
     from lightning_dpaudit.engine.state import AuditStateError
 
     assert lightning_dpaudit.AuditFailedWarning is AuditFailedWarning

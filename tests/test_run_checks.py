@@ -1,4 +1,4 @@
-"""The run checks: what the accountant assumes about the run beyond the optimizer (engine/run_checks/).
+"""The run checks: what the accountant assumes about the run beyond the optimizer (engine/checks/run/).
 
 Each kind of pipeline mistake is flagged with the finding that names it at the first step where it
 is certain, and correct runs (Poisson loaders, BatchMemoryManager, dropout, disjoint ConcatDatasets)
@@ -25,7 +25,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset, W
 
 from lightning_dpaudit import DPAuditCallback, PrivacyAuditor
 from lightning_dpaudit.analysis.report import summary_table, verdict_title
-from lightning_dpaudit.engine.run_checks import CouplingCheck, MultiplicityCheck, SamplingCheck
+from lightning_dpaudit.engine.checks.run import CouplingCheck, MultiplicityCheck, SamplingCheck
 from lightning_dpaudit.estimators.batch_sizes import BatchSizeTest
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset, make_private_digits
 
@@ -254,7 +254,7 @@ def test_a_tensor_dataset_stacked_with_its_mirror_images_is_flagged_at_attach():
 
 
 def test_mirror_images_are_found_exactly_and_a_few_are_not_a_finding():
-    from lightning_dpaudit.engine.run_checks.dataset_copies import find_copies, mirrored_finding
+    from lightning_dpaudit.engine.checks.run.dataset_copies import find_copies, mirrored_finding
 
     images = digits_dataset().tensors[0]
     assert (find_copies(images).mirrored, find_copies(images).duplicates) == (0, 0)  # the digits hold no copies

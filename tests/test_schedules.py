@@ -16,7 +16,7 @@ from opacus import schedulers
 from lightning_dpaudit import PrivacyAuditor
 from lightning_dpaudit.analysis.claim_segments import FIRST_SHARE, later_share
 from lightning_dpaudit.bugs import inject_bug
-from lightning_dpaudit.engine.distributed import sample_rate_of
+from lightning_dpaudit.engine.release.distributed import sample_rate_of
 from lightning_dpaudit.engine.options import find_accountant
 from lightning_dpaudit.estimators.changing_claims import mixture_mu, ratio_lower_bound
 from lightning_dpaudit.integrations.digits import make_private_digits, train_steps

@@ -11,7 +11,7 @@ from opacus import PrivacyEngine
 from torch.utils.data import ConcatDataset, DataLoader, Subset
 
 from lightning_dpaudit import PrivacyAuditor
-from lightning_dpaudit.engine.run_checks.multiplicity import base_indices, repeated_indices
+from lightning_dpaudit.engine.checks.run.multiplicity import base_indices, repeated_indices
 from lightning_dpaudit.integrations.digits import DigitsCNN, digits_dataset
 
 warnings.filterwarnings("ignore", message=".*Full backward hook.*")

@@ -6,7 +6,7 @@ from typing import Optional
 
 
 VERDICT = "DP AUDIT VIOLATION"  # the first words of every violation alert
-# findings about the run beyond the optimizer (engine/run_checks/): the accountant's epsilon is not this run's
+# findings about the run beyond the optimizer (engine/checks/run/): the accountant's epsilon is not this run's
 PIPELINE_CODES = ("sampling", "multiplicity", "coupled_examples", "outside_dp")
 DIVERGED = "training_diverged"  # a fault, no violation: the audit observes nothing from the step it names on
 DOES_NOT_DESCRIBE = "the accountant's epsilon does not describe this run"

@@ -188,7 +188,7 @@ def _check_demo_flags(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"argument --final-model: {args.final_model} is above {bound[0]} for --final-model-kind "
                          f"{args.final_model_kind} ({bound[1]}); use an integer in [2, {bound[0]}]")
     if not args.no_audit:  # the audit refuses a claim float32 cannot hold: said here, as a usage error
-        from ..engine.claim_range import noise_problem
+        from ..engine.claims.claim_range import noise_problem
 
         problem = noise_problem(args.noise_multiplier, 1.0)  # the demo clips at C = 1
         if problem is not None:

@@ -65,8 +65,8 @@ def demo_plan(canary: str, steps: Optional[int] = None, canaries_per_step: Optio
     for gradient canaries, INPUT_DEMO for input canaries).
     """
     from ..engine.options import auto_canaries
-    from ..engine.kinds.canaries import KINDS
-    from ..engine.kinds.input_canaries import INPUT_KINDS
+    from ..engine.canaries.gradient_canaries import KINDS
+    from ..engine.canaries.input_canaries import INPUT_KINDS
 
     if canary in INPUT_KINDS:
         default_count, default_steps = INPUT_DEMO[canary]
@@ -87,7 +87,7 @@ def demo_max_canaries(canary: str) -> tuple:
     import inspect
 
     from ..engine.auditor import PrivacyAuditor
-    from ..engine.kinds.input_canaries import INPUT_KINDS
+    from ..engine.canaries.input_canaries import INPUT_KINDS
     from ..engine.options import MAX_INPUT_CANARIES
 
     if canary in INPUT_KINDS:
@@ -267,7 +267,7 @@ def run_demo(
     steps = plan["steps"]
     options = {"canaries_per_step": plan["canaries_per_step"]}
     if plan["source"] is not None:
-        from ..engine.kinds.input_canaries import InputCanaries
+        from ..engine.canaries.input_canaries import InputCanaries
 
         inputs, labels = held_out_digits(seed)
         canary = InputCanaries(canary, inputs=inputs, labels=labels, progress=progress_bar)

@@ -1,8 +1,8 @@
 """How a PrivacyAuditor's parts are made, in build order: each from those made before it, none reaching for a later one.
 
     validated   the optimizer (unwrapped), its release path's class, the options, the checks: refused by name
-    release     the release path for the optimizer's family (paths/), reporting through the finding sink
-    steps       the step pipeline, connected to the finding sink; the claim read each step (claims.py, adaptive.py)
+    release     the release path for the optimizer's family (release/), reporting through the finding sink
+    steps       the step pipeline, connected to the finding sink; the claim read each step (claims/)
     run_checks  the run's read-only view and the runner of the checks (checks/)
     claim_of    what the run claims, for its results
 
@@ -15,24 +15,24 @@ from __future__ import annotations
 import numpy as np
 
 from ..analysis.assemble import Claim
-from . import distributed as dist
-from .accumulation_check import AccumulationLedger
-from .adaptive import step_claims
+from .release import distributed as dist
+from .checks.exact.accumulation import AccumulationLedger
+from .claims.adaptive import step_claims
 from .checks import CheckRunner, RunView
 from .checks.base import MECHANISM
 from .checks.defaults import default_checks
 from .checks.runner import check_checks
-from .claim_range import check_claim
-from .claims import NO_NOISE
-from .ghost import check_ghost_options, is_ghost
-from .kinds.input_probe import check_input_model
-from .noised_step import canary_clipping
+from .claims.claim_range import check_claim
+from .claims.step_claim import NO_NOISE
+from .release.ghost import check_ghost_options, is_ghost
+from .canaries.input_probe import check_input_model
+from .step.noised_step import canary_clipping
 from .options import BATCHED_CHECK_EVERY, check_accountant, check_module, check_opacus_version, unwrapped_optimizer, validate
-from .paths import PathSettings, release_path_for
-from .per_sample_check import PerSampleCheck
-from .pipeline import StepPipeline
-from .run_checks import check_run_options
-from .run_checks.multiplicity import clipped_rows
+from .release import PathSettings, release_path_for
+from .checks.exact.per_sample import PerSampleCheck
+from .step.pipeline import StepPipeline
+from .checks.run import check_run_options
+from .checks.run.multiplicity import clipped_rows
 
 
 def validated(optimizer, *, accountant, checks, data_loader, training_loss, other_optimizers, settings: dict):
@@ -63,7 +63,7 @@ def exact_check_of(checks):
 
 
 def release(path_class, optimizer, kind, mechanism, options, findings, seed, exact):
-    """The release path: the canaries through the optimizer's own clipping and noise (paths/)."""
+    """The release path: the canaries through the optimizer's own clipping and noise (release/)."""
     return path_class(optimizer, kind.probe, PathSettings(
         note_problem=findings.report, sentinels=kind.sentinels,
         noise_std=mechanism.noise_multiplier * mechanism.max_grad_norm, layer_names=kind.layer_names,
@@ -82,7 +82,7 @@ def steps(optimizer, kind, path, record, findings, mechanism, accountant, option
                          note_problem=findings.report)
     pipeline = StepPipeline(kind, path, record, paired=options.mode == "paired", check_every=check_every,
                             observe_steps=options.observe_steps, alarm=alarm, claims=claims, findings=findings)
-    record.declare({NO_NOISE: MECHANISM})  # a noise multiplier of 0, found by the claims (claims.py)
+    record.declare({NO_NOISE: MECHANISM})  # a noise multiplier of 0, found by the claims (claims/step_claim.py)
     if kind.probe.ghost is not None:  # ghost clipping's own coefficient check (ghost.py): dated at the coming step
         kind.probe.ghost.note_problem = lambda code, message, alarm: findings.report(
             code, message, pipeline.steps + 1, alarm)

@@ -12,8 +12,8 @@ Centering on S removes the data's own gradient, so for a correct optimizer an
 out-observation is N(0, s^2) and an in-observation N(1, s^2) with s the noise
 multiplier in the canary's units: the step is (1/s)-GDP for each canary.
 
-This class is the wiring: options (options.py), the canary kind (kinds/), the release
-path for the optimizer's family (paths/), the step pipeline (pipeline.py), what is
+This class is the wiring: options (options.py), the canary kind (canaries/), the release
+path for the optimizer's family (release/), the step pipeline (step/), what is
 recorded (analysis/record.py), results (analysis/assemble.py) and saved state (state.py).
 """
 
@@ -29,22 +29,22 @@ import torch
 from ..analysis.assemble import ResultAssembler
 from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
-from . import distributed as dist
+from .release import distributed as dist
 from . import assembly
-from .adaptive import mechanism_of
+from .claims.adaptive import mechanism_of
 from .checks import DATA_PATH, PIPELINE
-from .claims import audited_claim, normalisation_problem
-from .divergence import diverged_step
+from .claims.step_claim import audited_claim, normalisation_problem
+from .step.divergence import diverged_step
 from .findings_sink import FindingSink
-from .kinds import ALL_KIND_NAMES, canary_kind_for
-from .noised_step import NoisedStep
-from .opacus_step import OpacusStep
+from .canaries import ALL_KIND_NAMES, canary_kind_for
+from .step.noised_step import NoisedStep
+from .step.opacus_step import OpacusStep
 from .options import SETTINGS, find_accountant
-from .per_sample_check import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES
-from .run_checks import SamplingCheck, refuse_unwatchable
-from .run_checks.watched_loader import WatchedLoader
+from .checks.exact.per_sample import DEFAULT_BUDGET, DEFAULT_EVERY, DEFAULT_EXAMPLES
+from .checks.run import SamplingCheck, refuse_unwatchable
+from .checks.run.watched_loader import WatchedLoader
 from .state import AuditStateError, check_state, composed_steps, dump_state, setup_of
-from .user_warning import warn_at_user_code
+from .support.user_warning import warn_at_user_code
 
 
 class PrivacyViolationWarning(UserWarning):
@@ -78,14 +78,14 @@ class PrivacyAuditor:
     one PrivacyViolationWarning).
     per_sample_check_every: the steps between exact checks of a few real examples'
     per-sample gradients (ghost clipping: norms and clipping coefficients) against plain
-    autograd, first at step 1 (per_sample_check.py; 0 turns them off);
+    autograd, first at step 1 (checks/exact/per_sample.py; 0 turns them off);
     per_sample_check_examples: the examples compared at each;
     per_sample_check_budget: the largest share of the run's wall time the exact checks may
     take after step 1's: a due step is skipped when checking it would pass that share, at the
     last check's cost (step 1 never is; 1.0: none is).
     checksum_every: under a DistributedDPOptimizer, the steps between checks that every
     replica holds the same parameters (see distributed.py; 0 turns them off).
-    The run beyond the optimizer (run_checks/): data_loader, the loader the loop iterates (`watch_loader`
+    The run beyond the optimizer (checks/run/): data_loader, the loader the loop iterates (`watch_loader`
     for one made later); training_loss(batch), the step's loss, replayed by the independence check;
     other_optimizers, the run's other optimizers (what they hold trains outside DP-SGD).
     checks: the checks to run, replacing the defaults (`default_checks(...)`, built from the options above); add
@@ -225,7 +225,7 @@ class PrivacyAuditor:
         self.checks.batch(batch, step_fn)
 
     def sampling_epsilon(self) -> float:
-        """Epsilon under the sampling the run used where a valid bound exists (run_checks/sampling.py); nan where it
+        """Epsilon under the sampling the run used where a valid bound exists (checks/run/sampling.py); nan where it
         is the accountant's own or no sampling check runs, inf where no valid bound follows from the noise."""
         sampling = self.checks.find(SamplingCheck)
         try:

@@ -8,7 +8,7 @@ recorded) is checked against what it implies: one pool per tensor within the ten
 sizes, the canary kind, and observation groups within the tensor count.
 
 What each part holds is declared once (analysis/schema.py): HEADER here, the canary kind's
-GRADIENT_STATE or INPUT_STATE (kinds/) and RECORD (analysis/record.py). Each part's
+GRADIENT_STATE or INPUT_STATE (canaries/) and RECORD (analysis/record.py). Each part's
 state_dict writes through its Section and check_state checks the whole state against
 the same Sections, with the set-up (tensor sizes, canaries per step, claims) as context.
 """
@@ -23,8 +23,8 @@ import numpy as np
 
 from ..analysis.record import RECORD, SENTINELS
 from ..analysis.schema import AuditStateError, Field, Section, StateError, check_field, is_whole, missing
-from .kinds.gradient import GRADIENT_STATE
-from .kinds.input import INPUT_STATE
+from .canaries.gradient import GRADIENT_STATE
+from .canaries.input import INPUT_STATE
 
 FORMAT = 2
 REQUIRED = ("steps", "sampler", "pool", "fingerprints", "log", "monitor")

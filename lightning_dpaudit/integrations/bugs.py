@@ -18,7 +18,7 @@ import torch
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 
-from ..engine.distributed import sample_rate_of
+from ..engine.release.distributed import sample_rate_of
 from .ghost_bugs import GHOST_BUGS, inject_ghost_bug
 
 __all__ = ["BUGS", "DISTRIBUTED_BUGS", "GHOST_BUGS", "inject_bug", "list_bugs"]

@@ -22,11 +22,11 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from ..engine.auditor import PrivacyAuditor, PrivacyViolationWarning
-from ..engine.kinds.input_canaries import show_progress
+from ..engine.canaries.input_canaries import show_progress
 from ..engine.checks.runner import check_checks
 from ..engine.options import SETTINGS, check_accountant, check_settings, flag, integer, one_argument_callable, real
-from ..engine.pipeline import AuditFailedWarning
-from ..engine.user_warning import warn_at_user_code
+from ..engine.step.pipeline import AuditFailedWarning
+from ..engine.support.user_warning import warn_at_user_code
 from .budget import TimeBudget
 from .callback_logging import AuditLogging
 from .callback_state import AuditCheckpointing

@@ -33,7 +33,7 @@ def inject_ghost_bug(optimizer, module, name: str):
         raise ValueError(f"unknown ghost-clipping bug {name!r}; valid names: {', '.join(GHOST_BUGS)}")
     if module is None:
         raise TypeError(f"{name!r} breaks the ghost-clipping module: pass module= (the module make_private returned)")
-    from ..engine.ghost import grad_sample_module_in
+    from ..engine.release.ghost import grad_sample_module_in
 
     gsm = module if isinstance(module, GhostHooks) else grad_sample_module_in(module, optimizer.params)
     if not isinstance(gsm, GhostHooks):

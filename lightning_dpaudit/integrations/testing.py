@@ -20,7 +20,7 @@ import torch
 from ..engine.auditor import PrivacyAuditor
 from .bugs import BUGS, inject_bug, list_bugs
 from .digits import digits_holdout, make_private_digits, train_steps
-from ..engine.kinds.input_canaries import INPUT_KINDS, InputCanaries
+from ..engine.canaries.input_canaries import INPUT_KINDS, InputCanaries
 
 HOLDOUT = 256  # digits left out of training for input canaries
 from ..analysis.results import AuditResult, violation_moment

@@ -80,7 +80,7 @@ def step_replay(pl_module, batch_idx: int) -> Optional[Callable]:
         return None
 
     def replay(batch):
-        from ..engine.instance_patch import InstancePatch
+        from ..engine.support.instance_patch import InstancePatch
 
         patches = [InstancePatch(pl_module, name, lambda *a, **k: None) for name in ("log", "log_dict")]
         try:

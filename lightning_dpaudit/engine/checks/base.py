@@ -45,7 +45,7 @@ class RunView:
     steps        () -> the noised steps so far
     names        the tensors' names; seed the audit's seed (None: fresh); delta the claim's delta
     ghost        ghost clipping (per-sample norms, no per-sample gradients); sharded: FSDP
-    ledger       () -> a new accumulation ledger of the optimizer's release path (accumulation_check.py)
+    ledger       () -> a new accumulation ledger of the optimizer's release path (checks/exact/accumulation.py)
     exact        the auditor's per_sample_check_every / _examples / _budget, as {"every", "examples", "budget"}
     training_loss  (batch) -> the plain loop's loss (None when not given)
     passes_on    (error) -> whether an error is the alarm's own (the user's on_violation), never a check's fault

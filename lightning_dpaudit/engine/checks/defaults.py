@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..per_sample_check import PerSampleCheck
-from ..run_checks.coupling import CouplingCheck
-from ..run_checks.multiplicity import MultiplicityCheck
-from ..run_checks.outside_dp import OutsideDPCheck
-from ..run_checks.sampling import SamplingCheck
+from .exact.per_sample import PerSampleCheck
+from .run.coupling import CouplingCheck
+from .run.multiplicity import MultiplicityCheck
+from .run.outside_dp import OutsideDPCheck
+from .run.sampling import SamplingCheck
 
 
 def default_checks(*, training_loss: Optional[Callable] = None, per_sample_check_every: Optional[int] = None,

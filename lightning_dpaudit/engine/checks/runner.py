@@ -20,7 +20,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional, Sequence
 
-from ..instance_patch import InstancePatch
+from ..support.instance_patch import InstancePatch
 from .base import HOOKS, PIPELINE, SCOPES, Batch, Check, RunView, StepSeen, overrides
 
 

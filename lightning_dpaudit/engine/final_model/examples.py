@@ -24,7 +24,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 import torch
 
-from ..kinds.input_canaries import craft, make_input_canaries, mean_gradient
+from ..canaries.input_canaries import craft, make_input_canaries, mean_gradient
 
 FINAL_MODEL_KINDS = ("ood", "mislabeled", "blank", "crafted")
 TEMPLATE_ITEMS = 256  # training items read for the input shape, dtype, value range and labels

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kinds.input_canaries import hooks_disabled
+from ..canaries.input_canaries import hooks_disabled
 
 
 def cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
