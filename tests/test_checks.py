@@ -13,6 +13,9 @@ from lightning_modules import DigitsClassifier
 
 from lightning_dpaudit import Check, CheckStoppedWarning, PrivacyAuditor, default_checks
 from lightning_dpaudit.datasets import make_private_digits, train_steps
+from lightning_dpaudit.engine.checks import MECHANISM
+from lightning_dpaudit.engine.checks.mechanism.accountant import AccountantCheck
+from lightning_dpaudit.engine.checks.mechanism.setup import SetupCheck
 
 STEPS = 12
 
@@ -239,3 +242,41 @@ def test_the_callback_takes_a_users_check():
     result = lightning_run("32-true", checks=[*default_checks(), LearningRateCeiling(0.01)])
     assert result.violation and [f.code for f in result.findings] == ["learning_rate"]
     assert "learning rate ceiling (12 steps compared)" in result.pipeline
+
+
+def _audited_codes(checks, *, clear_history: bool):
+    """Codes of the findings of a 5-step digits run whose accountant forgets its history after step 3 (or not)."""
+    model, optimizer, loader, engine = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, module=model, seed=0, per_sample_check_every=0, checks=checks,
+                             on_violation=lambda result: None)
+    train_steps(model, optimizer, loader, 3)
+    if clear_history:
+        engine.accountant.history.clear()
+    train_steps(model, optimizer, loader, 2)
+    codes = [f.code for f in auditor.result().findings]
+    status = auditor.checks.status(MECHANISM)
+    auditor.detach()
+    return codes, status
+
+
+def test_the_accountants_history_is_compared_by_its_check_and_by_nothing_else():
+    """The accountant check is the one unit comparing the history: with it a forgotten history is claim_unaccounted
+    at the next step, without it (a user's own list) nothing else reports it; its status counts the comparisons."""
+    codes, status = _audited_codes(None, clear_history=True)
+    assert codes == ["claim_unaccounted"] and status == "accountant (4 steps' composition compared)"
+    assert _audited_codes(None, clear_history=False) == ([], "accountant (4 steps' composition compared)")
+    without = [c for c in default_checks() if not isinstance(c, AccountantCheck)]
+    assert _audited_codes(without, clear_history=True) == ([], "")
+
+
+def test_the_set_up_check_holds_the_normalisation_note():
+    model, optimizer, loader, _ = make_private_digits(seed=0)  # loss_reduction="mean": the update's scale is noted
+    auditor = PrivacyAuditor(optimizer, module=model, seed=0, per_sample_check_every=0)
+    assert [code for code, _ in auditor.checks.notes()] == ["normalisation"]
+    assert any(n.startswith("normalisation: ") for n in auditor.result().notes)
+    auditor.detach()
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    checks = [c for c in default_checks() if not isinstance(c, SetupCheck)]
+    auditor = PrivacyAuditor(optimizer, module=model, seed=0, per_sample_check_every=0, checks=checks)
+    assert not any(n.startswith("normalisation: ") for n in auditor.result().notes)
+    auditor.detach()

@@ -91,7 +91,7 @@ def test_correct_opacus_is_quiet_and_checked(mode, sequence):
     assert check.stopped is None and check.skipped is None
     assert check.checked == 5  # steps 1..5 (the model is found at step 0's forward pass)
     assert auditor.problems == []
-    assert [code for code, _ in auditor.notes] == ["normalisation"]  # loss_reduction="mean": found at attach
+    assert [code for code, _ in auditor.checks.notes()] == ["normalisation"]  # loss_reduction="mean": found at attach
     result = auditor.result()
     assert result.data_path.startswith("5 step(s) compared, every 1 from step 1") and not result.violation
     assert result.notes[0].startswith("normalisation: the update is divided by expected_batch_size = 32")

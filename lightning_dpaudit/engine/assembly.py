@@ -67,7 +67,6 @@ def release(path_class, optimizer, kind, mechanism, options, findings, seed, exa
     return path_class(optimizer, kind.probe, PathSettings(
         note_problem=findings.report, sentinels=kind.sentinels,
         noise_std=mechanism.noise_multiplier * mechanism.max_grad_norm, layer_names=kind.layer_names,
-        checksum_every=options.checksum_every,
         noise_seed=None if seed is None else int(np.random.default_rng([seed, 28]).integers(2**62)),
         canary_clipping=lambda step: canary_clipping(exact, step),
     ))
@@ -78,14 +77,10 @@ def steps(optimizer, kind, path, record, findings, mechanism, accountant, option
     check_every = options.check_every
     if check_every == "auto":
         check_every = BATCHED_CHECK_EVERY if path.reads_on_device and kind.reads_on_device else 1
-    claims = step_claims(optimizer, mechanism, accountant, module=kind.module_ref, on_change=on_claim_change,
-                         note_problem=findings.report)
+    claims = step_claims(optimizer, mechanism, accountant, module=kind.module_ref, on_change=on_claim_change)
     pipeline = StepPipeline(kind, path, record, paired=options.mode == "paired", check_every=check_every,
                             observe_steps=options.observe_steps, alarm=alarm, claims=claims, findings=findings)
     record.declare({NO_NOISE: MECHANISM})  # a noise multiplier of 0, found by the claims (claims/step_claim.py)
-    if kind.probe.ghost is not None:  # ghost clipping's own coefficient check (ghost.py): dated at the coming step
-        kind.probe.ghost.note_problem = lambda code, message, alarm: findings.report(
-            code, message, pipeline.steps + 1, alarm)
     return pipeline
 
 
@@ -98,7 +93,8 @@ def run_checks(checks, optimizer, mechanism, module, kind, path, pipeline, accou
         steps=lambda: pipeline.steps, other_optimizers=list(other_optimizers), names=kind.layer_names, seed=seed,
         delta=options.delta, ghost=ghost, sharded=dist.is_sharded(optimizer), passes_on=pipeline.passes_on,
         ledger=lambda: AccumulationLedger(optimizer, kind.probe, ghost=ghost, per_layer=mechanism.per_layer, path=path),
-        training_loss=training_loss, exact=exact_options,
+        training_loss=training_loss, exact=exact_options, claims=pipeline.claims, checksum_every=options.checksum_every,
+        ghost_clipping=kind.probe.ghost,
     )
     pipeline.record.declare({code: check.scope for check in checks for code in check.codes})
     return CheckRunner(checks, view, passes_on=pipeline.passes_on, rows=clipped_rows,

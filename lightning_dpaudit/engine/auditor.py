@@ -29,11 +29,11 @@ import torch
 from ..analysis.assemble import ResultAssembler
 from ..analysis.record import AuditRecord
 from ..analysis.results import AuditResult, violation_message
-from .release import distributed as dist
 from . import assembly
 from .claims.adaptive import mechanism_of
 from .checks import DATA_PATH, PIPELINE
-from .claims.step_claim import audited_claim, normalisation_problem
+from .checks.mechanism.setup import SetupCheck
+from .claims.step_claim import audited_claim
 from .step.divergence import diverged_step
 from .findings_sink import FindingSink
 from .canaries import ALL_KIND_NAMES, canary_kind_for
@@ -132,13 +132,10 @@ class PrivacyAuditor:
         self.opacus_step = OpacusStep(optimizer, steps=lambda: self.pipeline.steps, report=self.noised_step.opacus_error,
                                       raised_by_audit=lambda error: error is self.pipeline.raised)
         optimizer._dpaudit_auditor = self
-        # what the claim does not cover, stated beside the result (not a leak beyond the claim's own terms)
-        self.notes = [("normalisation", n) for n in [normalisation_problem(optimizer)] if n]
         self.watched: Optional[WatchedLoader] = None
         self.checks.attach()
         if data_loader is not None:
             self.watch_loader(data_loader)
-        findings.report("unreconciled_noise", dist.unreconciled_noise_problem(optimizer), 0)
 
     def detach(self) -> None:
         """Restore the optimizer exactly as it was before the auditor attached."""
@@ -248,9 +245,10 @@ class PrivacyAuditor:
         self.pipeline.check()
 
     def check_sample_rate(self, batches_per_epoch: int) -> None:
-        """Flag an accountant whose sample rate ignores the world size (distributed.sample_rate_problem)."""
-        rate = dist.sample_rate_of(self.optimizer)
-        self.record.note_problem("sample_rate", dist.sample_rate_problem(rate, batches_per_epoch, dist.world_size()), self.steps)
+        """Flag an accountant whose sample rate ignores the world size (checks/mechanism/setup.py)."""
+        setup = self.checks.find(SetupCheck)
+        if setup is not None and setup.stopped is None:
+            self.checks.call(setup, "batches_per_epoch", batches_per_epoch)
         self.pipeline.check()  # every rank calls this method, so every rank reaches the check
 
     def _claim_changed(self, mechanism) -> None:
@@ -299,7 +297,7 @@ class PrivacyAuditor:
         result = self.results.result(self.record, self.layer_names, self.steps, self.accountant, accounting=accounting)
         diverged = self.pipeline.diverged
         stopped = "" if diverged is None else f"; stopped: training diverged at step {diverged}"
-        notes = tuple(f"{code}: {message}" for code, message in self.notes + self.checks.notes()) + result.notes
+        notes = tuple(f"{code}: {message}" for code, message in self.checks.notes()) + result.notes
         data_path, pipeline = self.checks.status(DATA_PATH) or "off", self.checks.status(PIPELINE)
         return replace(result, audit_failed=self.record.failed, detected_step=self.record.detected,
                        data_path=data_path + stopped, pipeline=pipeline + stopped,

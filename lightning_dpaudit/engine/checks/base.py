@@ -50,6 +50,9 @@ class RunView:
     training_loss  (batch) -> the plain loop's loss (None when not given)
     passes_on    (error) -> whether an error is the alarm's own (the user's on_violation), never a check's fault
     stop         (check, error): stop a check alone (the runner sets it)
+    claims       the step's claim reader (claims/step_claim.py: the claim, and what the accountant composed)
+    checksum_every  the auditor's steps between comparisons of the replicas' parameters
+    ghost_clipping  ghost clipping of the canaries' rows by the module's own code (release/ghost.py), or None
     """
 
     optimizer: object
@@ -70,6 +73,9 @@ class RunView:
     training_loss: Optional[Callable] = None
     passes_on: Callable[[BaseException], bool] = lambda error: False
     stop: Callable = lambda check, error: None
+    claims: object = None
+    checksum_every: int = 0
+    ghost_clipping: object = None
     busy: int = 0  # > 0 while the audit itself runs the model (canaries, replays): nothing of it is the data's
 
     @contextlib.contextmanager

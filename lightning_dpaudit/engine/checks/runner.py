@@ -70,7 +70,8 @@ class CheckRunner:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _call(self, check: Check, hook: str, *args):
+    def call(self, check: Check, hook: str, *args):
+        """`check.<hook>(*args)`, a fault stopping the check alone (None then)."""
         self.hook = hook
         try:
             return getattr(check, hook)(*args)
@@ -88,7 +89,7 @@ class CheckRunner:
 
     def attach(self) -> None:
         for check in tuple(self.checks):
-            self._call(check, "attach", self.run)
+            self.call(check, "attach", self.run)
 
     def loader(self, loader) -> None:
         self._each("loader", loader)
@@ -196,7 +197,7 @@ class CheckRunner:
 
     def _status(self, check: Check) -> str:
         """The check's own line (which may say it stopped itself), or the runner's when it stopped it."""
-        line = self._call(check, "status") if check in self.hooks["status"] else ""
+        line = self.call(check, "status") if check in self.hooks["status"] else ""
         return line or (f"{check.name} ({check.stopped})" if check.stopped is not None else "")
 
     def find(self, kind: type) -> Optional[Check]:
@@ -210,7 +211,7 @@ class CheckRunner:
     def notes(self) -> list:
         notes = []
         for check in tuple(self.hooks["notes"]):
-            notes += self._call(check, "notes") or []
+            notes += self.call(check, "notes") or []
         return notes
 
     def close(self) -> None:

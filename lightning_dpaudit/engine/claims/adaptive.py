@@ -196,19 +196,18 @@ def mechanism_of(optimizer) -> Mechanism:
     return mechanism if noise is None else replace(mechanism, noise_multiplier=reader.claimed(noise))
 
 
-def step_claims(optimizer, mechanism, accountant, *, module=None, on_change, note_problem) -> StepClaims:
+def step_claims(optimizer, mechanism, accountant, *, module=None, on_change) -> StepClaims:
     """StepClaims for the optimizer; AdaptiveClaims where it is (or, under ghost clipping, may become) adaptive."""
     if is_adaclip(optimizer) or is_ghost(optimizer):
-        return AdaptiveClaims(optimizer, mechanism, accountant, module=module, on_change=on_change,
-                              note_problem=note_problem)
-    return StepClaims(optimizer, mechanism, accountant, on_change=on_change, note_problem=note_problem)
+        return AdaptiveClaims(optimizer, mechanism, accountant, module=module, on_change=on_change)
+    return StepClaims(optimizer, mechanism, accountant, on_change=on_change)
 
 
 class AdaptiveClaims(StepClaims):
     """StepClaims whose adaptive steps claim the gradient's noise and check the accountant against both releases."""
 
-    def __init__(self, optimizer, mechanism, accountant, *, module=None, on_change, note_problem):
-        super().__init__(optimizer, mechanism, accountant, on_change=on_change, note_problem=note_problem)
+    def __init__(self, optimizer, mechanism, accountant, *, module=None, on_change):
+        super().__init__(optimizer, mechanism, accountant, on_change=on_change)
         self.noise = AdaptiveNoise(optimizer, module)
         self._step: Optional[StepNoise] = None  # the last step's predicted noise (None: not adaptive)
         self._read = self._claim()[0]
@@ -221,7 +220,6 @@ class AdaptiveClaims(StepClaims):
         return (self.noise.claimed(noise), bounds), noise
 
     def before_step(self, step: int):
-        self._follow_accountant(step)
         now, self._step = self._claim()
         if now != self._read:
             sigma, bounds = now
@@ -238,21 +236,20 @@ class AdaptiveClaims(StepClaims):
             self.on_change(self.mechanism)
         return self.mechanism
 
-    def _check_accountant(self, step: int) -> None:
+    def _accountant_problem(self, step: int) -> list:
+        """An adaptive step composes the gradient's and the count's releases: the accountant's last entry, if it
+        recorded the previous step, must be a noise multiplier at most their joint one."""
         if self._step is None:
-            return super()._check_accountant(step)
+            return super()._accountant_problem(step)
         used = self.noise.used(self._step)
-        if self.accountant is None:
-            return
-        accounted = self._last_entry()
-        if accounted == self._accounted:
-            return
-        self._accounted = accounted
+        if not self._newly_accounted():
+            return []
         if used.count is None or used.gradient == 0:  # no gradient noise: the finding no_noise, not this one
-            return
+            return []
         recorded, joint = float(self.accountant.history[-1][0]), used.joint
         if joint <= 0 or recorded ** -2 < joint ** -2 * (1 - RTOL):
-            self.note_problem(CODE, accounting_message(recorded, used, step), step)
+            return [(CODE, accounting_message(recorded, used, step))]
+        return []
 
 
 def accounting_message(recorded: float, used: StepNoise, step: int) -> str:

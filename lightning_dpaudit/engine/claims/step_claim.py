@@ -30,6 +30,7 @@ from ..options import Mechanism
 
 
 NO_NOISE = "no_noise"
+UNACCOUNTED = "claim_unaccounted"  # steps the accountant did not compose with their noise
 
 
 def no_noise_message(step: int) -> str:
@@ -56,10 +57,9 @@ def claim_of(optimizer) -> tuple:
 class StepClaims:
     """Follows the optimizer's claim from step to step; `before_step` gives the step's mechanism."""
 
-    def __init__(self, optimizer, mechanism: Mechanism, accountant, *, on_change: Callable[[Mechanism], None],
-                 note_problem: Callable[[str, Optional[str], int], None]):
+    def __init__(self, optimizer, mechanism: Mechanism, accountant, *, on_change: Callable[[Mechanism], None]):
         self.optimizer, self.mechanism, self.accountant = optimizer, mechanism, accountant
-        self.on_change, self.note_problem = on_change, note_problem
+        self.on_change = on_change
         self._read = claim_of(optimizer)
         self._stepped = False  # a step ran since attach: self.mechanism is the claim it used
         self._accounted = self._last_entry()
@@ -68,7 +68,6 @@ class StepClaims:
     def before_step(self, step: int) -> Mechanism:
         """The mechanism this step claims; calls on_change first when it differs from the last step's (a noise
         multiplier of 0 included: the step is then released without canaries, pipeline.py)."""
-        self._follow_accountant(step)
         now = claim_of(self.optimizer)
         if now != self._read:
             check_claim(self.optimizer)
@@ -81,15 +80,17 @@ class StepClaims:
             self.on_change(self.mechanism)
         return self.mechanism
 
-    def _follow_accountant(self, step: int) -> None:
-        """Before each step: the previous step composed, with its noise (after the first step; at the first, the
-        composed steps the audit starts from)."""
+    def accounting_problems(self, step: int) -> list:
+        """Before step `step` + 1 is claimed: (code, message) of each way the accountant did not compose the steps
+        released so far with their noise (after the first step; at the first, the composed steps the audit starts
+        from are read). A certainty each: checks/mechanism/accountant.py reports them."""
+        problems = []
         if self._stepped:
-            self._check_history(step)
-            self._check_accountant(step)
+            problems += self._history_problem(step) + self._accountant_problem(step)
         elif self.accountant is not None:
             self._baseline = composed_steps(self.accountant) - step
         self._stepped = True
+        return problems
 
     def resync(self, steps: int) -> None:
         """Opacus's step raised after its release (opacus_step.py): it may be composed or not, so the steps after it
@@ -107,39 +108,45 @@ class StepClaims:
         history = getattr(self.accountant, "history", None) or []
         return (len(history), tuple(history[-1])) if history else (0, None)
 
-    def _check_history(self, step: int) -> None:
+    def _history_problem(self, step: int) -> list:
         """Every step released since the first audited one is composed: the accountant's history holds
         at least (its steps then) + (steps since). Fewer is a certainty: steps the epsilon leaves out."""
         if self._baseline is None:
-            return
+            return []
         now, expected = composed_steps(self.accountant), self._baseline + step
-        if now < expected:
-            self.note_problem("claim_unaccounted", (
-                f"the accountant's history composes {now} step(s) where {expected} were released: steps it had "
-                "composed were removed (an accountant whose get_epsilon consumes its history counts only the steps "
-                "since the last query) or never recorded, so its epsilon is too low. Fix: an accountant stepped by "
-                "the optimizer's hook that keeps every step (Opacus >= 1.4)"
-            ), step)
+        if now >= expected:
+            return []
+        return [(UNACCOUNTED, (
+            f"the accountant's history composes {now} step(s) where {expected} were released: steps it had "
+            "composed were removed (an accountant whose get_epsilon consumes its history counts only the steps "
+            "since the last query) or never recorded, so its epsilon is too low. Fix: an accountant stepped by "
+            "the optimizer's hook that keeps every step (Opacus >= 1.4)"
+        ))]
 
-    def _check_accountant(self, step: int) -> None:
-        """The accountant's last entry, if it recorded the previous step, must carry that step's noise multiplier."""
+    def _newly_accounted(self) -> bool:
+        """Whether the accountant recorded a step since the last look (not when its history is empty)."""
         if self.accountant is None:
-            return
+            return False
         accounted = self._last_entry()
         if accounted == self._accounted:  # nothing recorded for the previous step (not our accountant's hook)
-            return
+            return False
         self._accounted = accounted
-        if accounted[1] is None:  # an emptied history (_check_history names it)
-            return
+        return accounted[1] is not None  # an emptied history: _history_problem names it
+
+    def _accountant_problem(self, step: int) -> list:
+        """The accountant's last entry, if it recorded the previous step, must carry that step's noise multiplier."""
+        if not self._newly_accounted():
+            return []
         recorded = float(self.accountant.history[-1][0])
         used = self.mechanism.noise_multiplier  # not yet updated: the previous step's claim
-        if not math.isclose(recorded, used, rel_tol=1e-6):
-            self.note_problem("claim_unaccounted", (
-                f"the accountant composed noise multiplier {recorded:.4g} for step {step}, but the optimizer used "
-                f"{used:.4g} (its noise_multiplier then): the accountant's epsilon is not the run's. Fix: let the "
-                "step hook make_private attached read optimizer.noise_multiplier at every step, and change the noise "
-                "only through optimizer.noise_multiplier (opacus.schedulers do)."
-            ), step)
+        if math.isclose(recorded, used, rel_tol=1e-6):
+            return []
+        return [(UNACCOUNTED, (
+            f"the accountant composed noise multiplier {recorded:.4g} for step {step}, but the optimizer used "
+            f"{used:.4g} (its noise_multiplier then): the accountant's epsilon is not the run's. Fix: let the "
+            "step hook make_private attached read optimizer.noise_multiplier at every step, and change the noise "
+            "only through optimizer.noise_multiplier (opacus.schedulers do)."
+        ))]
 
 
 def composed_steps(accountant) -> int:

@@ -36,7 +36,6 @@ class PathSettings:
     sentinels: Optional[np.ndarray]
     noise_std: float
     layer_names: Sequence[str]
-    checksum_every: int
     noise_seed: Optional[int] = None  # the audit's own noise for releases training never uses (paired mode)
     # how the canaries are clipped at a step: "optimizer" (the optimizer's own clipping), "compared" (that, compared
     # with a correct clipping: the exact checks' steps) or "correct" (planted as a correct clipping leaves them)

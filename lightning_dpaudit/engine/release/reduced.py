@@ -8,8 +8,7 @@ Per audited step on rank r of W:
                         exercised; rank r releases S_r + K_r (+ the noise on rank 0)
     reduce_gradients:   G = f (sum_r S_r + K_r + N), read where the replicas read it; one
                         all-reduce of S and K at the canaries' and sentinels' coordinates
-                        (and of each rank's noise RMS and, every checksum_every steps, the
-                        parameters' checksums) centres G / f on S; then G -= f K.
+                        (and of each rank's noise RMS) centres G / f on S; then G -= f K.
 
 The observations are identical on every rank, hence the same AuditResult; this path reads
 on the host every step (its all-reduce is per step anyway).
@@ -37,7 +36,6 @@ class ReducedRelease(DistributedChecks, PerSampleRelease):
         super().__init__(optimizer, probe, settings)
         self.collectives = dist.Collectives()
         self.note_problem, self.sentinels, self.noise_std = settings.note_problem, settings.sentinels, settings.noise_std
-        self.layer_names, self.checksum_every = settings.layer_names, settings.checksum_every
         self._pending = None
 
     # ------------------------------------------------------------------ set-up, on every rank
@@ -101,24 +99,18 @@ class ReducedRelease(DistributedChecks, PerSampleRelease):
 
     def _observe_reduced(self, step, canaries, data_at_pool, canaries_at_pool, own_noise, factor) -> ReleaseView:
         """The reduced release G after one all-reduce of S and K at the canaries' and sentinels'
-        coordinates (with each rank's noise and, when due, the replicas' checksums); then G -= f K."""
+        coordinates (with each rank's noise); then G -= f K."""
         probe, c = self.probe, self.collectives
         params = probe.params
         n = len(probe.pool)
         read = np.unique(np.concatenate([canaries.pool_index.ravel(), np.arange(n)[self._noise_coords()]]))
         m = len(read)  # only the canaries' and the sentinels' pool positions are summed
-        checksums = self.checksum_every > 0 and step % self.checksum_every == 0
-        parts = [data_at_pool[read], canaries_at_pool[read], c.own_slot([own_noise])]
-        if checksums:
-            parts.append(c.own_slot(dist.parameter_checksums(params)))
-        total = c.sum(np.concatenate(parts))
+        total = c.sum(np.concatenate([data_at_pool[read], canaries_at_pool[read], c.own_slot([own_noise])]))
         data, added = np.zeros(n), np.zeros(n)
         data[read], added[read] = total[:m], total[m : 2 * m]
         centered = probe.at_pool([p.grad for p in params]) / factor - data
         probe.subtract_at_pool([p.grad for p in params], added * factor)
         self._note_placement(total[2 * m : 2 * m + c.size], step + 1)
-        if checksums:
-            self._note_drift(total[2 * m + c.size :].reshape(c.size, -1), step + 1)
         return ReleaseView(None, None, centered, added, canaries.is_in, own=True)
 
     def _note_placement(self, noise_by_rank, step: int) -> None:
@@ -130,18 +122,6 @@ class ReducedRelease(DistributedChecks, PerSampleRelease):
                 f"{', '.join(f'{noise_by_rank[r]:.3g}' for r in noisy)} x sigma*C; rank 0: {noise_by_rank[0]:.3g}): "
                 f"{type(self.optimizer).__name__} adds the noise on rank 0 only, so this code's noise depends on the "
                 "ranks' layout (on one process it would add none, or the total is not the accountant's)",
-                step,
-            )
-
-    def _note_drift(self, checksums_by_rank, step: int) -> None:
-        drifted = dist.drifted_tensors(checksums_by_rank, self.layer_names)
-        if drifted:
-            self.note_problem(
-                "replica_drift",
-                f"the replicas' parameters differ at step {step} ({', '.join(drifted[:4])}"
-                f"{', ...' if len(drifted) > 4 else ''}): the ranks train different models, so the released model "
-                "is not the one the noise protects. Every rank must apply the same reduced gradient: use the "
-                "DistributedDPOptimizer's own step and do not change gradients or parameters on one rank only.",
                 step,
             )
 
