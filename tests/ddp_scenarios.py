@@ -180,7 +180,7 @@ def correct(rank, world, options):
     summary = _summary(auditor)
     summary["max_update_gap"] = max(gaps)
     summary["observations"] = auditor.observations()["value"][:64].tolist()
-    summary["canaries_per_step"] = auditor.per_step
+    summary["canaries_per_step"] = auditor.options.canaries_per_step
     summary["optimizer"] = type(audited[1]).__name__
     summary["result"] = auditor.result().to_dict()  # the whole AuditResult, compared across ranks
     return summary

@@ -64,7 +64,7 @@ def correct(rank, world, options):
     summary = _summary(auditor)
     summary["max_update_gap"] = max(gaps)
     summary["optimizer"] = type(audited[1]).__name__
-    summary["canaries_per_step"] = auditor.per_step
+    summary["canaries_per_step"] = auditor.options.canaries_per_step
     summary["result"] = auditor.result().to_dict()
     return summary
 

@@ -149,7 +149,7 @@ def test_adaclip_step_claims_the_gradient_noise_in_units_of_its_bound():
     assert sigma_g == pytest.approx((1 - 1 / 16) ** -0.5)
     mechanism = auditor.pipeline.claims.mechanism
     assert mechanism.noise_multiplier == pytest.approx(sigma_g, rel=1e-6)
-    assert auditor.mu_claimed == pytest.approx(1 / sigma_g, rel=1e-6)
+    assert auditor.results.claim.mu_claimed == pytest.approx(1 / sigma_g, rel=1e-6)
     assert mechanism.max_grad_norm == pytest.approx(bounds[-2])  # the last step clipped at the bound before its update
     assert StepNoise(sigma_g, SIGMA_U).joint == pytest.approx(SIGMA)
 
@@ -159,7 +159,7 @@ def test_adaptive_ghost_claims_the_smaller_of_its_two_multipliers_and_checks_bot
     more leak, one claim segment), the accountant check uses sigma_g and the count's n / 20."""
     _, _, auditor, _ = _run("ghost", 30, audit={"seed": 0})
     claims = auditor.pipeline.claims
-    assert claims.mechanism.noise_multiplier == SIGMA and auditor.mu_claimed == 1 / SIGMA
+    assert claims.mechanism.noise_multiplier == SIGMA and auditor.results.claim.mu_claimed == 1 / SIGMA
     assert len(auditor.record.monitor.segments) == 1
     n = len(claims.noise.module()._per_sample_gradient_norms)  # the last step's Poisson batch
     noise = claims.noise.predict()

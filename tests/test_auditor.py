@@ -182,7 +182,7 @@ def test_result_observations_and_state_round_trip():
     assert twin.result().mu_lower_bound == result.mu_lower_bound
     np.testing.assert_array_equal(twin.observations()["value"], obs["value"])
     # the canary generator resumes where it stopped
-    assert np.array_equal(twin.sampler.next_step().coords, auditor.sampler.next_step().coords)
+    assert np.array_equal(twin.kind.sampler.next_step().coords, auditor.kind.sampler.next_step().coords)
 
 
 # ------------------------------------------------------------------ bad input
@@ -218,7 +218,7 @@ def test_per_layer_optimizer_type_is_recognised():
     _, opt, _, _ = make_private_digits(clipping="per_layer", seed=0)
     assert isinstance(opt, DPPerLayerOptimizer)
     auditor = PrivacyAuditor(opt, seed=0)
-    assert np.allclose(auditor.probe.clip_bounds, opt.max_grad_norms)
+    assert np.allclose(auditor.kind.probe.clip_bounds, opt.max_grad_norms)
 
 
 # ------------------------------------------------------------------ canary kinds
@@ -277,12 +277,12 @@ def test_layer_names_without_module_come_from_the_grad_sample_module():
     _inject(opt, "unnoised-layer")
     alerts = []
     auditor = PrivacyAuditor(opt, seed=0, on_violation=alerts.append)  # no module=
-    assert auditor.layer_names[-1] == "param7(10,)"  # before the model has run
+    assert auditor.kind.layer_names[-1] == "param7(10,)"  # before the model has run
     stranger = torch.nn.Linear(3, 2)
     stranger(torch.zeros(1, 3))  # another model's forward pass leaves the names alone
-    assert auditor.layer_names[-1] == "param7(10,)" and _global_pre_hooks() == hooks + 1
+    assert auditor.kind.layer_names[-1] == "param7(10,)" and _global_pre_hooks() == hooks + 1
     _train(model, opt, loader, 60)
-    assert auditor.layer_names == DIGITS_NAMES and _global_pre_hooks() == hooks
+    assert auditor.kind.layer_names == DIGITS_NAMES and _global_pre_hooks() == hooks
     result = auditor.result(accounting=False)
     assert "classifier.3.bias" in result.violating_layers and [layer.name for layer in result.layers] == DIGITS_NAMES
     from lightning_dpaudit.analysis.results import violation_message
@@ -303,9 +303,9 @@ def test_layer_names_when_opacus_hooks_the_model_in_place():
     GradSampleModule(model)  # hooks in place; the wrapper is dropped, as in Opacus's Lightning pattern
     opt = _optimizer_over(model)
     auditor = PrivacyAuditor(opt, seed=0)
-    assert auditor.layer_names == ["param0(64, 6)", "param1(64,)", "param2(3, 64)", "param3(3,)"]
+    assert auditor.kind.layer_names == ["param0(64, 6)", "param1(64,)", "param2(3, 64)", "param3(3,)"]
     _train(model, opt, [(torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))], 1)
-    assert auditor.layer_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert auditor.kind.layer_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
 def test_layer_names_stay_placeholders_without_opacus_hooks_and_the_watch_ends():
@@ -313,7 +313,7 @@ def test_layer_names_stay_placeholders_without_opacus_hooks_and_the_watch_ends()
     model = torch.nn.Linear(300, 2)  # no GradSampleModule: nothing names these parameters
     auditor = PrivacyAuditor(_optimizer_over(model), seed=0)
     model(torch.zeros(1, 300))
-    assert auditor.layer_names == ["param0(2, 300)", "param1(2,)"] and _global_pre_hooks() == hooks
+    assert auditor.kind.layer_names == ["param0(2, 300)", "param1(2,)"] and _global_pre_hooks() == hooks
     model, opt, loader, _ = make_private_digits(seed=0)
     detached = PrivacyAuditor(opt, seed=0)
     detached.detach()

@@ -612,7 +612,7 @@ def test_manual_optimization_audits_the_optimizer_inside_the_lightning_wrapper(t
     accountant_steps = sum(n for _, _, n in wrapped.privacy_engine.accountant.history)
     assert wrapped.auditor.steps == accountant_steps == 8  # every step the accountant composed is audited
     result = wrapped.auditor.result()
-    assert result.n_in + result.n_out == 8 * wrapped.auditor.per_step and not result.violation
+    assert result.n_in + result.n_out == 8 * wrapped.auditor.options.canaries_per_step and not result.violation
     assert result.epsilon_accountant == _pytest.approx(wrapped.privacy_engine.accountant.get_epsilon(1e-5))
     # the same observations as an audit attached to the optimizer itself
     ours, theirs = wrapped.auditor.observations(), plain.auditor.observations()

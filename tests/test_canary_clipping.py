@@ -22,13 +22,13 @@ EVERY_5 = dict(per_sample_check_every=5, per_sample_check_budget=1.0)  # checked
 
 def _counting_clips(auditor) -> list:
     """The pipeline steps at which the canaries went through the optimizer's clipping."""
-    seen, clip = [], auditor.probe.clip
+    seen, clip = [], auditor.kind.probe.clip
 
     def counted(*args, **kwargs):
         seen.append(auditor.pipeline.steps)
         return clip(*args, **kwargs)
 
-    auditor.probe.clip = counted
+    auditor.kind.probe.clip = counted
     return seen
 
 
@@ -56,7 +56,7 @@ def test_the_pre_clipped_sum_is_the_optimizer_s_own_clipping(clipping):
     model, optimizer, loader, _ = make_private_digits(seed=0, clipping=clipping)
     auditor = PrivacyAuditor(optimizer, seed=1)
     train_steps(model, optimizer, loader, 1)  # the optimizer holds its state as after a step
-    probe, canaries = auditor.probe, auditor.kind.sampler.next_step()
+    probe, canaries = auditor.kind.probe, auditor.kind.sampler.next_step()
     which = canaries.is_in
     for p in probe.params:
         p.summed_grad = torch.zeros_like(p)
@@ -64,7 +64,7 @@ def test_the_pre_clipped_sum_is_the_optimizer_s_own_clipping(clipping):
     expected = probe.preclipped(canaries, which)
     got, want = probe.sum_at_pool(clipped), probe.sum_at_pool(expected)
     assert np.abs(want).max() > 0 and np.allclose(got, want, rtol=1e-6, atol=1e-7)
-    assert probe.clipping_problem(clipped, expected, auditor.layer_names) is None
+    assert probe.clipping_problem(clipped, expected, auditor.kind.layer_names) is None
 
 
 def test_an_optimizer_that_does_not_clip_is_found_at_the_first_checked_step():

@@ -18,7 +18,7 @@ def _run(*, dense: bool, clipping="flat", steps=12, transform=None, **options):
     if transform is not None:
         opt = transform(opt)
     auditor = PrivacyAuditor(opt, seed=2, **options)
-    auditor.probe.dense = dense
+    auditor.kind.probe.dense = dense
     train_steps(model, opt, loader, steps)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return auditor, params
@@ -38,13 +38,13 @@ def test_compressed_and_dense_rows_give_the_same_observations_and_update(clippin
 
 def test_compressed_rows_are_sized_by_the_canaries_not_the_model():
     auditor, _ = _run(dense=False, steps=2)
-    canaries = auditor.sampler.next_step()
-    rows, columns = auditor.probe.canary_rows(canaries, canaries.is_in)
-    k_in = auditor.per_step // 2
+    canaries = auditor.kind.sampler.next_step()
+    rows, columns = auditor.kind.probe.canary_rows(canaries, canaries.is_in)
+    k_in = auditor.options.canaries_per_step // 2
     assert [r.shape[0] for r in rows] == [k_in] * len(rows)
     assert sum(r.shape[1] for r in rows) == k_in  # dirac: one column per in-canary, whatever the model's size
     assert [len(c) for c in columns] == [r.shape[1] for r in rows]
-    for r, cols, p in zip(rows, columns, auditor.probe.params):  # each row is its canary's value at its column
+    for r, cols, p in zip(rows, columns, auditor.kind.probe.params):  # each row is its canary's value at its column
         in_tensor = torch.nonzero(r)
         assert len(in_tensor) == r.shape[1] and (len(cols) == 0 or int(cols.max()) < p.numel())
 

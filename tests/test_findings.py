@@ -286,7 +286,7 @@ def test_correct_opacus_has_no_finding(seed, options):
     auditor = audited(seed, 100, **options)
     result = auditor.result(accounting=False)
     assert not result.violation and result.findings == ()
-    forced = diagnose(auditor._evidence({POOLED: 1.1}), violation=True)
+    forced = diagnose(auditor.results.evidence(auditor.record, auditor.kind.layer_names, {POOLED: 1.1}), violation=True)
     assert codes(forced) == ("general",), [f.message for f in forced]
 
 

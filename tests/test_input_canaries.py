@@ -192,7 +192,7 @@ def test_observations_match_the_flat_float64_computation(clipping, mode, chunk, 
     model, opt, loader, _ = make_private_digits(holdout=64, clipping=clipping)
     canaries = InputCanaries("mislabeled", inputs=inputs, labels=labels, min_strength=0.3)  # many observed
     auditor = PrivacyAuditor(opt, canary=canaries, module=model, canaries_per_step=16, mode=mode, seed=3)
-    probe, rng = auditor.input_probe, np.random.default_rng(0)
+    probe, rng = auditor.kind.input_probe, np.random.default_rng(0)
     seen = {"grads": None, "calls": 0, "observed": 0}
     prepare, project, read = probe.prepare, probe.project, auditor.kind.read
 
@@ -245,7 +245,7 @@ def test_injection_leaves_the_update_unchanged(kind):
                 opt, canary=kind, module=model, canary_inputs=inputs, canary_labels=labels,
                 canaries_per_step=8, recraft_every=5, seed=0,
             )
-            auditor.input.options["steps"] = 3  # a few crafting steps are enough here
+            auditor.options.canary.options["steps"] = 3  # a few crafting steps are enough here
         train_steps(model, opt, loader, 12)
         runs[audited] = (_params(model), opt.generator.get_state(), torch.get_rng_state())
     assert torch.max(torch.abs(runs[False][0] - runs[True][0])).item() <= 1e-6
@@ -254,7 +254,7 @@ def test_injection_leaves_the_update_unchanged(kind):
     result = auditor.result()
     assert result.canary == kind and result.n_in > 0 and result.n_out > 0 and not result.violation
     if kind in ("adversarial", "crafted"):
-        assert auditor.input.builds == 3  # steps 0, 5 and 10
+        assert auditor.options.canary.builds == 3  # steps 0, 5 and 10
 
 
 def test_observations_are_unit_shifted_gaussians_with_noise_at_least_sigma():
@@ -295,7 +295,7 @@ def test_state_round_trip_keeps_the_canaries():
     again = PrivacyAuditor(opt, canary="mislabeled", module=model, canary_inputs=inputs, canary_labels=labels,
                            canaries_per_step=8, seed=2)
     again.load_state_dict(state)
-    assert torch.equal(again.input.x, auditor.input.x) and torch.equal(again.input.y, auditor.input.y)
+    assert torch.equal(again.options.canary.x, auditor.options.canary.x) and torch.equal(again.options.canary.y, auditor.options.canary.y)
     assert again.steps == 3 and again.result().n_in == auditor.result().n_in
 
 

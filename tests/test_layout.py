@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -116,3 +117,27 @@ def test_an_engine_path_of_before_the_folders_still_imports_with_a_deprecation_w
     with pytest.warns(DeprecationWarning, match=f"`{old}` moved to `{new}`"):
         module = importlib.import_module(old)
     assert module is importlib.import_module(new)
+
+
+def test_the_auditor_is_a_thin_face():
+    """PrivacyAuditor: at most 150 lines, its __init__ at most 40 (its parts are made by engine/assembly.py)."""
+    tree = ast.parse((PACKAGE / "engine" / "auditor.py").read_text())
+    auditor = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PrivacyAuditor")
+    init = next(n for n in auditor.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert auditor.end_lineno - auditor.lineno + 1 <= 150 and init.end_lineno - init.lineno + 1 <= 40
+
+
+def test_the_auditors_moved_attributes_still_answer_with_a_deprecation_warning():
+    from lightning_dpaudit import PrivacyAuditor
+    from lightning_dpaudit.datasets import make_private_digits
+
+    model, optimizer, _, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, module=model, seed=0, per_sample_check_every=0)
+    for name, (new, _) in PrivacyAuditor.MOVED_ATTRIBUTES.items():
+        with pytest.warns(DeprecationWarning, match=rf"`PrivacyAuditor.{name}` moved to `\.{re.escape(new)}`"):
+            getattr(auditor, name)
+    with pytest.warns(DeprecationWarning):
+        assert auditor.per_step == auditor.options.canaries_per_step and auditor.probe is auditor.kind.probe
+    with pytest.raises(AttributeError, match="no attribute 'nothing_of_the_kind'"):
+        auditor.nothing_of_the_kind
+    auditor.detach()

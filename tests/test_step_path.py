@@ -74,7 +74,7 @@ def test_steps_between_checks_move_nothing_to_the_host(mode):
     at_checks = [calls for step, calls in audited if step % 8 == 0]
     assert all(len(c) == max(plain) for c in between), between  # nothing beyond the optimizer's own
     assert all(len(c) > max(plain) for c in at_checks)  # the check itself does read (the test sees reads)
-    observed_per_step = auditor.per_step * (2 if mode == "paired" else 1)  # paired: every canary out, then in
+    observed_per_step = auditor.options.canaries_per_step * (2 if mode == "paired" else 1)  # paired: every canary out, then in
     assert auditor.result().n_in + auditor.result().n_out == 16 * observed_per_step
 
 

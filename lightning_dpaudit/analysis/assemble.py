@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -61,10 +61,16 @@ class Claim:
 class ResultAssembler:
     """Builds AuditResults; keeps the live-epsilon curves of the accountant's kind between calls."""
 
-    def __init__(self, claim: Claim):
-        self.claim = claim
+    def __init__(self, claim: Claim, noise_now: Optional[Callable[[], float]] = None):
+        """`noise_now()`: the noise multiplier claimed now, where it changes during the run (None: `claim`'s)."""
+        self._claim, self.noise_now = claim, noise_now
         self._live: Optional[LiveEpsilon] = None
         self._asked: Optional[tuple] = None  # (the accountant's class, history, delta), its epsilon
+
+    @property
+    def claim(self) -> Claim:
+        """What the run claims now (its noise multiplier as the optimizer's last step claimed it)."""
+        return self._claim if self.noise_now is None else replace(self._claim, noise_multiplier=self.noise_now())
 
     def result(self, record: AuditRecord, layer_names: Sequence[str], steps: int, accountant, *, accounting: bool = True) -> AuditResult:
         claim, monitor = self.claim, record.monitor

@@ -1,23 +1,29 @@
 """How a PrivacyAuditor's parts are made, in build order: each from those made before it, none reaching for a later one.
 
+    build       every part, in order: the optimizer validated; the claim; the canary kind; the record and its finding
+                sink; the release path; the step pipeline; the results; the checks and their runner; the noised step
+                and Opacus's step watched (AuditParts)
     validated   the optimizer (unwrapped), its release path's class, the options, the checks: refused by name
     release     the release path for the optimizer's family (release/), reporting through the finding sink
     steps       the step pipeline, connected to the finding sink; the claim read each step (claims/)
     run_checks  the run's read-only view and the runner of the checks (checks/)
     claim_of    what the run claims, for its results
-
-The record, the finding sink and the canary kind come before the release path; the noised step and Opacus's step
-watcher after the runner (auditor.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..analysis.assemble import Claim
+from typing import Callable, NamedTuple
+
+from ..analysis.assemble import Claim, ResultAssembler
+from ..analysis.record import AuditRecord
 from .release import distributed as dist
 from .checks.exact.accumulation import AccumulationLedger
-from .claims.adaptive import step_claims
+from .canaries import ALL_KIND_NAMES, canary_kind_for
+from .claims.adaptive import mechanism_of, step_claims
+from .claims.step_claim import audited_claim
+from .findings_sink import FindingSink
 from .checks import CheckRunner, RunView
 from .checks.base import MECHANISM
 from .checks.defaults import default_checks
@@ -26,13 +32,63 @@ from .claims.claim_range import check_claim
 from .claims.step_claim import NO_NOISE
 from .release.ghost import check_ghost_options, is_ghost
 from .canaries.input_probe import check_input_model
-from .step.noised_step import canary_clipping
-from .options import BATCHED_CHECK_EVERY, check_accountant, check_module, check_opacus_version, unwrapped_optimizer, validate
+from .state import setup_of
+from .step.noised_step import NoisedStep, canary_clipping
+from .step.opacus_step import OpacusStep
+from .options import (BATCHED_CHECK_EVERY, check_accountant, check_module, check_opacus_version, find_accountant,
+                      unwrapped_optimizer, validate)
 from .release import PathSettings, release_path_for
 from .checks.exact.per_sample import PerSampleCheck
 from .step.pipeline import StepPipeline
 from .checks.run import check_run_options
 from .checks.run.multiplicity import clipped_rows
+
+
+class AuditParts(NamedTuple):
+    """What a PrivacyAuditor is made of (auditor.py names each)."""
+
+    optimizer: object
+    options: object
+    accountant: object
+    setup: dict
+    kind: object
+    record: AuditRecord
+    results: ResultAssembler
+    path: object
+    pipeline: StepPipeline
+    checks: CheckRunner
+    exact: object
+    opacus_step: OpacusStep
+
+
+def build(optimizer, settings: dict, *, accountant, checks, data_loader, training_loss, other_optimizers,
+          alarm: Callable[[], None]) -> AuditParts:
+    """Every part of an audit of `optimizer`, attached; `alarm()`: the auditor's alarm, given once."""
+    optimizer, path_class, options, checks = validated(
+        optimizer, accountant=accountant, checks=checks, data_loader=data_loader, training_loss=training_loss,
+        other_optimizers=other_optimizers, settings=settings)
+    seed, module = path_class.agree_on_seed(options.seed), settings["module"]
+    accountant = accountant if accountant is not None else find_accountant(optimizer)
+    mechanism = mechanism_of(optimizer)  # adaptive clipping: the gradient's noise multiplier (claims/adaptive.py)
+    claim = audited_claim(mechanism)  # noise multiplier 0: no claim, the canaries wait under a stand-in one
+    kind = canary_kind_for(optimizer, claim, options, module, np.random.default_rng(seed))
+    record = AuditRecord(kind.layer_claims, 1.0 / claim.noise_multiplier, confidence=options.confidence,
+                         kinds=ALL_KIND_NAMES, window=options.observation_window)
+    findings, exact = FindingSink(record), exact_check_of(checks)
+    path = release(path_class, optimizer, kind, claim, options, findings, seed, exact)
+    pipeline = steps(optimizer, kind, path, record, findings, mechanism, accountant, options, alarm=alarm)
+    results = ResultAssembler(claim_of(optimizer, mechanism, options),
+                              noise_now=lambda: pipeline.claims.mechanism.noise_multiplier)
+    runner = run_checks(checks, optimizer, mechanism, module, kind, path, pipeline, accountant, options, seed,
+                        other_optimizers=other_optimizers, training_loss=training_loss, exact_options={
+                            name: settings[f"per_sample_check_{name}"] for name in ("every", "examples", "budget")})
+    path.verify_start(options.canaries_per_step, seed)
+    noised_step = NoisedStep(optimizer, pipeline, exact, runner, path)
+    path.attach(noised_step)
+    opacus_step = OpacusStep(optimizer, steps=lambda: pipeline.steps, report=noised_step.opacus_error,
+                             raised_by_audit=lambda error: error is pipeline.raised)
+    return AuditParts(optimizer, options, accountant, setup_of(mechanism, options), kind, record, results, path,
+                      pipeline, runner, exact, opacus_step)
 
 
 def validated(optimizer, *, accountant, checks, data_loader, training_loss, other_optimizers, settings: dict):
@@ -72,12 +128,12 @@ def release(path_class, optimizer, kind, mechanism, options, findings, seed, exa
     ))
 
 
-def steps(optimizer, kind, path, record, findings, mechanism, accountant, options, *, alarm, on_claim_change):
+def steps(optimizer, kind, path, record, findings, mechanism, accountant, options, *, alarm):
     """The step pipeline: plant -> release -> read -> record -> check, each step's claim read first."""
     check_every = options.check_every
     if check_every == "auto":
         check_every = BATCHED_CHECK_EVERY if path.reads_on_device and kind.reads_on_device else 1
-    claims = step_claims(optimizer, mechanism, accountant, module=kind.module_ref, on_change=on_claim_change)
+    claims = step_claims(optimizer, mechanism, accountant, module=kind.module_ref)
     pipeline = StepPipeline(kind, path, record, paired=options.mode == "paired", check_every=check_every,
                             observe_steps=options.observe_steps, alarm=alarm, claims=claims, findings=findings)
     record.declare({NO_NOISE: MECHANISM})  # a noise multiplier of 0, found by the claims (claims/step_claim.py)

@@ -57,6 +57,46 @@ class AuditOptions:
         return self.canary.kind if self.input else self.canary
 
 
+
+OPTIONS_DOC = """
+    canary: a gradient canary kind ("dirac", "constant", "random"), an input canary kind
+    ("mislabeled", "blank", "adversarial", "crafted") or an InputCanaries object.
+    canaries_per_step: canaries per noised step (one-run: half in, half out; paired: all
+    in the second release, all out in the first); "auto" (default): 1,024 gradient
+    canaries (fewer on models under 2,048 coordinates), 32 input canaries.
+    canary_scale: canary norm as a multiple of the clipping bound (> 1 audits clipping).
+    moving: fresh coordinates each step. support: coordinates per canary for "constant"
+    and "random".
+    check_every: steps between checks. A violation is recorded at the step it happens and
+    raised at the next check (at most check_every - 1 steps later). "auto" (default): 8
+    where the readings stay on the device between checks (gradient canaries on one
+    process), 1 where a step reads on the host anyway (input canaries, several processes).
+    Input canaries: module (the GradSampleModule) is required; canary_inputs /
+    canary_labels are in-distribution examples held out from training, loss_fn the
+    summed training loss (default cross-entropy), recraft_every the steps between
+    rebuilds of adversarial and crafted canaries.
+    observe_steps: plant and observe canaries in the first observe_steps noised steps
+    only (None: all steps); later steps run un-audited.
+    observation_window: how many of the latest raw observations `observations()` keeps
+    (the counts, bounds and histograms cover every observation).
+    on_violation: called once with the AuditResult when the alarm first fires (default:
+    one PrivacyViolationWarning).
+    per_sample_check_every: the steps between exact checks of a few real examples'
+    per-sample gradients (ghost clipping: norms and clipping coefficients) against plain
+    autograd, first at step 1 (checks/exact/per_sample.py; 0 turns them off);
+    per_sample_check_examples: the examples compared at each;
+    per_sample_check_budget: the largest share of the run's wall time the exact checks may
+    take after step 1's: a due step is skipped when checking it would pass that share, at the
+    last check's cost (step 1 never is; 1.0: none is).
+    checksum_every: under a DistributedDPOptimizer, the steps between checks that every
+    replica holds the same parameters (checks/mechanism/replicas.py; 0 turns them off).
+    The run beyond the optimizer (checks/run/): data_loader, the loader the loop iterates (`watch_loader`
+    for one made later); training_loss(batch), the step's loss, replayed by the independence check;
+    other_optimizers, the run's other optimizers (what they hold trains outside DP-SGD).
+    checks: the checks to run, replacing the defaults (`default_checks(...)`, built from the options above); add
+    your own as `checks=[*default_checks(), MyCheck()]` (checks/base.py: the interface).
+"""  # PrivacyAuditor's options, appended to its docstring
+
 SETTINGS = (
     "delta", "confidence", "canary", "canaries_per_step", "mode", "estimator", "seed", "canary_scale", "moving",
     "support", "check_every", "module", "on_violation", "canary_inputs", "canary_labels", "loss_fn", "recraft_every",

@@ -25,6 +25,7 @@ from ..analysis.record import RECORD, SENTINELS
 from ..analysis.schema import AuditStateError, Field, Section, StateError, check_field, is_whole, missing
 from .canaries.gradient import GRADIENT_STATE
 from .canaries.input import INPUT_STATE
+from .step.divergence import diverged_step
 
 FORMAT = 2
 REQUIRED = ("steps", "sampler", "pool", "fingerprints", "log", "monitor")
@@ -237,3 +238,26 @@ def _implied_differences(state, setup: dict) -> list:
     if saved_input != setup["input"]:
         out.append(f"canary kind (saved {'input' if saved_input else 'gradient'} canaries, here {setup['canary']!r})")
     return out
+
+
+def load_parts(state: dict, kind, record, pipeline) -> None:
+    """Resume the kind, the record and the step pipeline from a state `check_state` passed: all of it, or (on a
+    damaged part) none of it, AuditStateError (a ValueError) then."""
+    pipeline.record_pending()
+    saved = dump_state({}, pipeline.steps, kind.state_dict(), record.state_dict())
+    try:
+        _load_parts(state, kind, record, pipeline)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        _load_parts(saved, kind, record, pipeline)
+        raise AuditStateError(f"the audit state is damaged ({error}); start a new audit") from None
+
+
+def _load_parts(state: dict, kind, record, pipeline) -> None:
+    try:
+        kind.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise ValueError(f"{KIND_LABEL}: {type(error).__name__}: {error}") from error
+    record.load_state_dict(state)
+    pipeline.steps = int(state["steps"])
+    pipeline.diverged = diverged_step(record.problems)  # a run that diverged stays unobserved
+    pipeline.follow_claim(pipeline.claims.mechanism)  # the steps from here claim what the optimizer holds now

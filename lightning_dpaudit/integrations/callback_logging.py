@@ -120,9 +120,9 @@ class AuditLogging:
             return
         from ..analysis.report import tradeoff_figure
 
-        mu_lower = self.auditor.monitor.bounds.get(POOLED)
+        mu_lower = self.auditor.recorded().monitor.bounds.get(POOLED)
         histogram = self.auditor.log.histogram()
-        figure = tradeoff_figure(histogram=histogram, mu_claimed=self.auditor.mu_claimed, mu_lower=mu_lower)
+        figure = tradeoff_figure(histogram=histogram, mu_claimed=self.auditor.results.claim.mu_claimed, mu_lower=mu_lower)
         for logger in loggers:  # report figures are not registered with pyplot: nothing to close
             logger.experiment.add_figure("dpaudit/tradeoff", figure, self.auditor.steps, close=False)
 

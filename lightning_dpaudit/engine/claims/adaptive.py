@@ -196,18 +196,18 @@ def mechanism_of(optimizer) -> Mechanism:
     return mechanism if noise is None else replace(mechanism, noise_multiplier=reader.claimed(noise))
 
 
-def step_claims(optimizer, mechanism, accountant, *, module=None, on_change) -> StepClaims:
+def step_claims(optimizer, mechanism, accountant, *, module=None) -> StepClaims:
     """StepClaims for the optimizer; AdaptiveClaims where it is (or, under ghost clipping, may become) adaptive."""
     if is_adaclip(optimizer) or is_ghost(optimizer):
-        return AdaptiveClaims(optimizer, mechanism, accountant, module=module, on_change=on_change)
-    return StepClaims(optimizer, mechanism, accountant, on_change=on_change)
+        return AdaptiveClaims(optimizer, mechanism, accountant, module=module)
+    return StepClaims(optimizer, mechanism, accountant)
 
 
 class AdaptiveClaims(StepClaims):
     """StepClaims whose adaptive steps claim the gradient's noise and check the accountant against both releases."""
 
-    def __init__(self, optimizer, mechanism, accountant, *, module=None, on_change):
-        super().__init__(optimizer, mechanism, accountant, on_change=on_change)
+    def __init__(self, optimizer, mechanism, accountant, *, module=None):
+        super().__init__(optimizer, mechanism, accountant)
         self.noise = AdaptiveNoise(optimizer, module)
         self._step: Optional[StepNoise] = None  # the last step's predicted noise (None: not adaptive)
         self._read = self._claim()[0]

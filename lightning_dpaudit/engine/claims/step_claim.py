@@ -57,9 +57,9 @@ def claim_of(optimizer) -> tuple:
 class StepClaims:
     """Follows the optimizer's claim from step to step; `before_step` gives the step's mechanism."""
 
-    def __init__(self, optimizer, mechanism: Mechanism, accountant, *, on_change: Callable[[Mechanism], None]):
+    def __init__(self, optimizer, mechanism: Mechanism, accountant):
         self.optimizer, self.mechanism, self.accountant = optimizer, mechanism, accountant
-        self.on_change = on_change
+        self.on_change: Callable[[Mechanism], None] = lambda mechanism: None  # the step pipeline's follow_claim
         self._read = claim_of(optimizer)
         self._stepped = False  # a step ran since attach: self.mechanism is the claim it used
         self._accounted = self._last_entry()

@@ -110,6 +110,8 @@ class StepPipeline:
         self.kind, self.path, self.record, self.claims = kind, path, record, claims
         if findings is not None:
             findings.connect(self.note_problem)
+        if claims is not None:
+            claims.on_change = self.follow_claim
         self.segment = 0  # the claim segment of the current claim (set when the claim changes)
         self.paired, self.check_every, self.observe_steps = paired, check_every, observe_steps
         self.alarm = alarm
@@ -121,6 +123,17 @@ class StepPipeline:
         self._noise: Optional[NoiseCalls] = None
         self._passed: Optional[BaseException] = None  # raised by the alarm or the optimizer: never caught
         self._alarming = False
+
+    def follow_claim(self, mechanism) -> None:
+        """The optimizer's noise multiplier or clipping bounds changed: the next steps claim the new values, in a
+        claim segment of their own. A noise multiplier of 0 claims nothing: the canaries keep the last claim, and no
+        step is audited until it is positive again."""
+        if mechanism.noise_multiplier == 0:
+            return
+        self.kind.set_claim(mechanism)
+        if hasattr(self.path, "noise_std"):
+            self.path.noise_std = mechanism.noise_multiplier * mechanism.max_grad_norm
+        self.segment = self.record.open_claim(self.kind.layer_claims, 1.0 / mechanism.noise_multiplier)
 
     def audited_step(self) -> None:
         """Stands in for the optimizer's add_noise: plant -> release -> read -> record -> check."""

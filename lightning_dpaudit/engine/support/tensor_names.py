@@ -60,7 +60,7 @@ class NameWatch:
 
         optimizer = self.optimizer()
         auditor = getattr(optimizer, "_dpaudit_auditor", None)
-        if auditor is None or auditor.layer_names is not self.names:
+        if auditor is None or auditor.kind.layer_names is not self.names:
             self.handle.remove()  # detached, or the auditor never finished attaching
             return
         if isinstance(module, AbstractGradSampleModule):

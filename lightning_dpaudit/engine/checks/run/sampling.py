@@ -149,6 +149,14 @@ class SamplingCheck(RunCheck):
             return math.inf if self.kind in ("replacement", "weighted") else math.nan
         return shuffled_epsilon(self.run.accountant, self.steps, self.batches_per_epoch, self.delta)
 
+    def epsilon_or_nan(self) -> float:
+        """`epsilon()`, or nan once stopped or where the accountant cannot compose a fresh history (no figure
+        rather than a fault)."""
+        try:
+            return math.nan if self.stopped else self.epsilon()
+        except Exception:
+            return math.nan
+
     def batch(self, batch) -> None:
         """A batch's tensors and its records, fingerprinted."""
         self.seen_batches += 1
