@@ -16,8 +16,8 @@ from scipy.stats import norm
 
 from .final_model import histogram_panel
 from .formatting import as_number as _num
-from .verdict import DOES_NOT_DESCRIBE, pipeline_codes, violation_moment
 from .summary import summary_table  # noqa: F401  (its home is summary.py; imported from here too)
+from .verdict import DOES_NOT_DESCRIBE, pipeline_codes, violation_moment
 
 JSON_NAME = "audit_report.json"
 PNG_NAME = "audit_report.png"

@@ -13,6 +13,7 @@ from .formatting import as_number as _num
 from .report import JSON_NAME
 from .schema import Field, Section, StateError, shown
 
+
 class ReportError(ValueError):
     """A file that is not a readable audit report."""
 

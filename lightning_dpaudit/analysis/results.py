@@ -7,7 +7,12 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Tuple
 
 from .verdict import (  # noqa: F401  (the verdict's words, imported from here too)
-    DIVERGED, DOES_NOT_DESCRIBE, PIPELINE_CODES, VERDICT, pipeline_codes, violation_moment,
+    DIVERGED,
+    DOES_NOT_DESCRIBE,
+    PIPELINE_CODES,
+    VERDICT,
+    pipeline_codes,
+    violation_moment,
 )
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 from .final_model import summary_lines as final_model_lines
-from .formatting import as_number as _num
-from .formatting import fixed as _f
+from .formatting import as_number as _num, fixed as _f
 from .verdict import DIVERGED, DOES_NOT_DESCRIBE, pipeline_codes, violation_moment
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-
 VERDICT = "DP AUDIT VIOLATION"  # the first words of every violation alert
 # findings about the run beyond the optimizer (engine/checks/run/): the accountant's epsilon is not this run's
 PIPELINE_CODES = ("sampling", "multiplicity", "coupled_examples", "outside_dp")

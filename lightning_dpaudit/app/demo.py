@@ -64,9 +64,9 @@ def demo_plan(canary: str, steps: Optional[int] = None, canaries_per_step: Optio
     steps / canaries_per_step override the defaults (DEMO_STEPS and the auditor's count
     for gradient canaries, INPUT_DEMO for input canaries).
     """
-    from ..engine.options import auto_canaries
     from ..engine.canaries.gradient_canaries import KINDS
     from ..engine.canaries.input_canaries import INPUT_KINDS
+    from ..engine.options import auto_canaries
 
     if canary in INPUT_KINDS:
         default_count, default_steps = INPUT_DEMO[canary]

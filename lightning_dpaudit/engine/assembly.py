@@ -12,36 +12,41 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import Callable, NamedTuple
+
+import numpy as np
 
 from ..analysis.assemble import Claim, ResultAssembler
 from ..analysis.record import AuditRecord
-from .release import distributed as dist
-from .checks.exact.accumulation import AccumulationLedger
 from .canaries import ALL_KIND_NAMES, canary_kind_for
-from .claims.adaptive import mechanism_of, step_claims
-from .claims.step_claim import audited_claim
-from .findings_sink import FindingSink
+from .canaries.input_probe import check_input_model
 from .checks import CheckRunner, RunView
 from .checks.base import MECHANISM
 from .checks.defaults import default_checks
+from .checks.exact.accumulation import AccumulationLedger
+from .checks.exact.per_sample import PerSampleCheck
+from .checks.run import check_run_options
+from .checks.run.multiplicity import clipped_rows
 from .checks.runner import check_checks
+from .claims.adaptive import mechanism_of, step_claims
 from .claims.claim_range import check_claim
-from .claims.step_claim import NO_NOISE
+from .claims.step_claim import NO_NOISE, audited_claim
+from .findings_sink import FindingSink
+from .options import (
+    BATCHED_CHECK_EVERY,
+    check_accountant,
+    check_module,
+    check_opacus_version,
+    find_accountant,
+    unwrapped_optimizer,
+    validate,
+)
+from .release import PathSettings, distributed as dist, release_path_for
 from .release.ghost import check_ghost_options, is_ghost
-from .canaries.input_probe import check_input_model
 from .state import setup_of
 from .step.noised_step import NoisedStep, canary_clipping
 from .step.opacus_step import OpacusStep
-from .options import (BATCHED_CHECK_EVERY, check_accountant, check_module, check_opacus_version, find_accountant,
-                      unwrapped_optimizer, validate)
-from .release import PathSettings, release_path_for
-from .checks.exact.per_sample import PerSampleCheck
 from .step.pipeline import StepPipeline
-from .checks.run import check_run_options
-from .checks.run.multiplicity import clipped_rows
 
 
 class AuditParts(NamedTuple):

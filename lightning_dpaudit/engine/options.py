@@ -11,9 +11,9 @@ import numpy as np
 from ..analysis.observations import MAX_WINDOW
 from ..analysis.record import FRESHNESS_SHARE, REPEAT_ALPHA
 from ..estimators.bounds import METHODS
-from .claims.claim_range import check_canary_norms
 from .canaries.gradient_canaries import KINDS
 from .canaries.input_canaries import INPUT_KINDS, InputCanaries
+from .claims.claim_range import check_canary_norms
 from .values import flag, integer, one_argument_callable, real  # noqa: F401  (the callback takes them from here)
 
 MODES = ("one-run", "paired")

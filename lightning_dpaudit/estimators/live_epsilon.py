@@ -52,7 +52,14 @@ from scipy.optimize import brentq
 from ._checks import check_delta, check_nonnegative
 from .composition import ACCOUNTANTS, MAX_PRV_POINTS
 from .rdp_curves import (
-    _LRU, CURVES_CACHE_SIZE, _alphas, _Curves, _lower_rdp_epsilon, _lower_rdp_epsilon_of, _opacus_curve, _rdp_epsilon,
+    _LRU,
+    CURVES_CACHE_SIZE,
+    _alphas,
+    _Curves,
+    _lower_rdp_epsilon,
+    _lower_rdp_epsilon_of,
+    _opacus_curve,
+    _rdp_epsilon,
 )
 
 History = Sequence[Tuple[float, float, int]]

@@ -21,6 +21,7 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
+from ..analysis.results import AuditResult, violation_message
 from ..engine.auditor import PrivacyAuditor, PrivacyViolationWarning
 from ..engine.canaries.input_canaries import show_progress
 from ..engine.checks.runner import check_checks
@@ -32,10 +33,14 @@ from .callback_logging import AuditLogging
 from .callback_state import AuditCheckpointing
 from .final_model_audit import FinalModelTracker
 from .trainer_lookup import (
-    batches_per_epoch, check_accountant_matches, find_dp_optimizer, module_accountant, other_optimizers, step_replay,
+    batches_per_epoch,
+    check_accountant_matches,
+    find_dp_optimizer,
+    module_accountant,
+    other_optimizers,
+    step_replay,
     training_loader,
 )
-from ..analysis.results import AuditResult, violation_message
 
 ALERTS = ("warn", "raise", "stop")
 LOG = logging.getLogger("lightning_dpaudit")  # the alert's one line under alert="stop", at WARNING

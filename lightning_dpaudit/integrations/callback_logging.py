@@ -17,7 +17,13 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from ..analysis.monitor import POOLED
 from ..analysis.results import AuditResult
 from .logged_values import (
-    EPSILON_STEPS_TAG, _add_histogram, _finite, _plain, _versions, chart_layout, epsilon_steps_text,
+    EPSILON_STEPS_TAG,
+    _add_histogram,
+    _finite,
+    _plain,
+    _versions,
+    chart_layout,
+    epsilon_steps_text,
 )
 from .trainer_lookup import log_dir
 

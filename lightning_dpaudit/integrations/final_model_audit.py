@@ -14,7 +14,6 @@ from typing import Optional
 import numpy as np
 import pytorch_lightning as pl
 import torch
-
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from ..analysis.final_model import FinalModelResult

@@ -100,7 +100,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .opacus_history_patches import (
-    ADAPTER_PREFIX, Patch, patches_541, patches_598, patches_664, patches_751, patches_807, patches_820,
+    ADAPTER_PREFIX,
+    Patch,
+    patches_541,
+    patches_598,
+    patches_664,
+    patches_751,
+    patches_807,
+    patches_820,
     patches_accumulation,
 )
 

@@ -18,9 +18,9 @@ from typing import Callable, Optional, Type
 import torch
 
 from ..engine.auditor import PrivacyAuditor
+from ..engine.canaries.input_canaries import INPUT_KINDS, InputCanaries
 from .bugs import BUGS, inject_bug, list_bugs
 from .digits import digits_holdout, make_private_digits, train_steps
-from ..engine.canaries.input_canaries import INPUT_KINDS, InputCanaries
 
 HOLDOUT = 256  # digits left out of training for input canaries
 from ..analysis.results import AuditResult, violation_moment

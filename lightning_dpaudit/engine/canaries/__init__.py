@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from ..release.ghost import GhostClipping, ModuleRef, grad_sample_module_in, is_ghost
 from ..support.tensor_names import layer_names
-from .gradient_probe import GradientProbe
 from .base import sentinel_positions
-from .gradient_canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
 from .gradient import GradientCanaries, layer_claims_of
+from .gradient_canaries import DEFAULT_POOL, KINDS, CanarySampler, choose_pool
+from .gradient_probe import GradientProbe
 from .input import InputCanaryKind
 from .input_canaries import INPUT_KINDS
 from .input_probe import InputProbe

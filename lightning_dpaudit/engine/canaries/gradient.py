@@ -11,11 +11,10 @@ import numpy as np
 import torch
 
 from ...analysis.schema import Field, Section
-from .gradient_canaries import SAMPLER, CanarySampler, _pool
-from .gradient_probe import GradientProbe
 from .base import Planted, Reading, ReleaseView, sentinel_noise
 from .canary_plan import PlannedStep, plan
-
+from .gradient_canaries import SAMPLER, CanarySampler, _pool
+from .gradient_probe import GradientProbe
 
 POOL = Field("pool", "list", items=Field("coordinates", "array", dtype="int", low=0), rule=_pool)
 

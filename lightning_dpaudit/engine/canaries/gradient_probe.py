@@ -28,7 +28,6 @@ import torch
 
 from .gradient_canaries import StepCanaries
 
-
 CLIP_TOLERANCE = 1e-4  # relative gap between the optimizer's clipped canary sum and correct clipping (float32 sums)
 
 

@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 from ...analysis.schema import Field, Section
+from .base import Planted, Reading, ReleaseView, sentinel_noise
 from .gradient import POOL
+from .gradient_probe import GradientProbe
 from .input_canaries import InputCanaries
 from .input_probe import InputProbe
-from .gradient_probe import GradientProbe
-from .base import Planted, Reading, ReleaseView, sentinel_noise
 
 ALL_LAYERS = "all parameters"
 

@@ -5,7 +5,15 @@
     claim_range.py   a claim float32 can hold, refused at attach otherwise
 """
 
-from .step_claim import NO_NOISE, StepClaims, audited_claim, claim_of, composed_steps, no_noise_message, normalisation_problem
+from .step_claim import (
+    NO_NOISE,
+    StepClaims,
+    audited_claim,
+    claim_of,
+    composed_steps,
+    no_noise_message,
+    normalisation_problem,
+)
 
 __all__ = ["NO_NOISE", "StepClaims", "audited_claim", "claim_of", "composed_steps", "no_noise_message",
            "normalisation_problem"]

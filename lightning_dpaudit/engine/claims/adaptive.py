@@ -44,12 +44,12 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from .step_claim import StepClaims, claim_of
+from ..options import Mechanism
 from ..release.distributed import world_size
 from ..release.ghost import is_ghost
-from .claim_range import check_claim
-from ..options import Mechanism
 from ..release.per_sample import PerSampleRelease
+from .claim_range import check_claim
+from .step_claim import StepClaims, claim_of
 
 CODE = "adaptive_accounting"
 RTOL = 1e-6  # mu^2 compared with this relative slack (float32 bounds)

@@ -25,9 +25,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .claim_range import check_claim, claim_number
 from ..options import Mechanism
-
+from .claim_range import check_claim, claim_number
 
 NO_NOISE = "no_noise"
 UNACCOUNTED = "claim_unaccounted"  # steps the accountant did not compose with their noise

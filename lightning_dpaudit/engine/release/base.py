@@ -14,8 +14,8 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .distributed import Collectives
 from ..canaries.base import Planted, ReleaseView
+from .distributed import Collectives
 
 Read = Callable[[ReleaseView], None]
 Done = Callable[[], None]

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..canaries.base import Planted, ReleaseView
-from ..support.instance_patch import InstancePatch
 from ..canaries.gradient_probe import CanarySum, GradientProbe
+from ..support.instance_patch import InstancePatch
 from .base import AuditNoise, LocalChecks, PathSettings, no_canaries
 
 

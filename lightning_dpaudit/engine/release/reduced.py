@@ -19,11 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...analysis.monitor import SETUP
-
-from . import distributed as dist
-from ..canaries.input_canaries import InputCanaries
 from ..canaries.base import Planted, ReleaseView
 from ..canaries.gradient_probe import GradientProbe
+from ..canaries.input_canaries import InputCanaries
+from . import distributed as dist
 from .base import DistributedChecks, PathSettings
 from .per_sample import PerSampleRelease, restore_data_sum
 

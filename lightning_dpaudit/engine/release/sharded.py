@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import distributed as dist
 from ..canaries.base import Planted, ReleaseView
 from ..canaries.gradient_probe import GradientProbe
+from . import distributed as dist
 from .base import DistributedChecks, PathSettings
 from .per_sample import PerSampleRelease
 

@@ -48,8 +48,8 @@ from typing import Callable, Optional
 import torch
 
 from ...analysis.record import AuditRecord
-from . import divergence
 from ..claims.step_claim import NO_NOISE, no_noise_message
+from . import divergence
 from .readings import PendingReadings
 
 

@@ -8,11 +8,10 @@ state, on the chosen examples alone (when that gives their outputs back) or on t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
-
 import contextlib
 import warnings
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch

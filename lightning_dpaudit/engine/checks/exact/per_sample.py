@@ -38,16 +38,26 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from .budget import CheckBudget
 from ..base import DATA_PATH, Check, RunView
+from .budget import CheckBudget
 from .forward_replay import (
-    EPS32, Call, buffer_values, captured, keep_output, own_gradients, precision, replay_forward, same_rows,
-    set_buffers, sliced, smallest_module_holding, samples_set_aside,
+    EPS32,
+    Call,
+    buffer_values,
+    captured,
+    keep_output,
+    own_gradients,
+    precision,
+    replay_forward,
+    same_rows,
+    samples_set_aside,
+    set_buffers,
+    sliced,
+    smallest_module_holding,
 )
 from .gradient_comparison import coefficient_problem, tensor_problem
 from .sharded_replay import ShardedReplay, module_norms
-from .views import expected_for, groupings
-from .views import why_not as views_refused
+from .views import expected_for, groupings, why_not as views_refused
 
 RTOL = 1e-3  # relative to the larger of the two norms (4 unit roundoffs of a lower precision, if larger)
 DEFAULT_EVERY = 100

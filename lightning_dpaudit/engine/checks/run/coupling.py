@@ -35,8 +35,16 @@ import numpy as np
 import torch
 
 from ..exact.forward_replay import (
-    autocast_regions, buffer_values, captured, keep_output, replay_forward, same_rows, samples_set_aside, set_buffers,
-    smallest_module_holding, tensors,
+    autocast_regions,
+    buffer_values,
+    captured,
+    keep_output,
+    replay_forward,
+    same_rows,
+    samples_set_aside,
+    set_buffers,
+    smallest_module_holding,
+    tensors,
 )
 from .base import DOES_NOT_DESCRIBE, RunCheck, records_in
 from .outside_dp import CODE as OUTSIDE_DP, listed

@@ -25,7 +25,6 @@ import math
 from typing import Optional
 
 import numpy as np
-
 from scipy.special import gammaln, logsumexp
 from scipy.stats import binom
 
