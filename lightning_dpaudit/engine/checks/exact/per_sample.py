@@ -40,21 +40,8 @@ import torch
 
 from ..base import DATA_PATH, Check, RunView
 from .budget import CheckBudget
-from .forward_replay import (
-    EPS32,
-    Call,
-    buffer_values,
-    captured,
-    keep_output,
-    own_gradients,
-    precision,
-    replay_forward,
-    same_rows,
-    samples_set_aside,
-    set_buffers,
-    sliced,
-    smallest_module_holding,
-)
+from .forward_replay import (EPS32, Call, buffer_values, captured, keep_output, own_gradients, precision, replay_forward,
+                             same_rows, samples_set_aside, set_buffers, sliced, smallest_module_holding)
 from .gradient_comparison import coefficient_problem, tensor_problem
 from .sharded_replay import ShardedReplay, module_norms
 from .views import expected_for, groupings, why_not as views_refused
