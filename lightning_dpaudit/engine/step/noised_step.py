@@ -55,11 +55,11 @@ class NoisedStep:
             self.checks.step(pipeline.steps + 1)
             self.checks.around_step(pipeline.steps + 1, audited_step)
         except Exception as error:
-            if entered or pipeline.failed or not self.path.local or error is pipeline._passed:
-                if not entered and error is not pipeline._passed:
+            if entered or pipeline.failed or not self.path.local or pipeline.passes_on(error):
+                if not entered and not pipeline.passes_on(error):
                     pipeline.raised = error  # the audit's own
                 raise
-            pipeline._fail(error, pipeline.steps, noised=False)
+            pipeline.fail(error, pipeline.steps, noised=False)
 
     def opacus_error(self, error: BaseException, step: int, released: bool) -> None:
         """Opacus's own step raised `error` at `step` (opacus_step.py passes it on): recorded, no alarm. After the

@@ -163,7 +163,7 @@ class StepPipeline:
                     self.raised = error  # the audit's own, under several processes
                 self._finish_quietly()
                 raise
-            self._fail(error, step, noised=self._noise.calls > noised)
+            self.fail(error, step, noised=self._noise.calls > noised)
         except BaseException:
             self._finish_quietly()
             raise
@@ -278,7 +278,7 @@ class StepPipeline:
         except Exception:
             pass
 
-    def _fail(self, error: Exception, step: int, *, noised: bool) -> None:
+    def fail(self, error: Exception, step: int, *, noised: bool) -> None:
         """Detach and record; the step's release as without the audit (when the optimizer's add_noise
         has not run, it runs once on the data's own sum, which the path restored; when it has, the
         path left the un-audited update); then one warning."""
