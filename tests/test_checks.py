@@ -230,8 +230,11 @@ def lightning_run(precision: str, **options):
     return callback.auditor.result()
 
 
-def test_under_bf16_mixed_precision_every_replay_runs_in_the_steps_own_precision():
-    result = lightning_run("bf16-mixed")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_under_each_precision_plugin_every_replay_runs_in_the_steps_own_precision(precision):
+    """Lightning's precision plugins on this CPU: bf16-mixed and 16-mixed autocast the step (to bfloat16 here),
+    bf16-true casts the model; the replays run in the step's own context, compare, and nothing stops."""
+    result = lightning_run(precision)
     assert result.checks_stopped == () and not result.violation
     assert result.data_path.startswith("3 step(s) compared, every 5 from step 1")
     assert "independence of examples (3 replays with the others replaced, through the training step)" in result.pipeline
