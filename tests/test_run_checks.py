@@ -339,13 +339,65 @@ def test_a_head_trained_by_another_optimizer_is_flagged_by_step_2():
     assert _codes(result)[0] == ("outside_dp", 2) and "`head.weight`, `head.bias` changed" in result.findings[0].message
 
 
-def test_another_optimizer_given_is_flagged_at_attach():
-    model, optimizer, loader, _ = make_private_digits(seed=0)
-    head = nn.Linear(10, 10)
-    auditor = PrivacyAuditor(optimizer, module=nn.ModuleDict({"body": model, "head": head}), seed=1,
-                             other_optimizers=[torch.optim.SGD(head.parameters(), lr=0.1)])
+def test_another_optimizer_inside_the_model_the_data_runs_through_is_flagged_at_attach():
+    base = DigitsCNN()
+    model, optimizer, loader = PrivacyEngine().make_private(  # the whole CNN sees the batch, only its features are DP
+        module=base, optimizer=torch.optim.SGD(base.features.parameters(), lr=0.1), data_loader=DataLoader(
+            digits_dataset(), batch_size=64), noise_multiplier=1.0, max_grad_norm=1.0)
+    auditor = PrivacyAuditor(optimizer, module=model, seed=1,
+                             other_optimizers=[torch.optim.SGD(base.classifier.parameters(), lr=0.1)])
     result = auditor.result()
-    assert _codes(result) == [("outside_dp", 0)] and "`head.weight`, `head.bias` by SGD" in result.findings[0].message
+    assert _codes(result) == [("outside_dp", 0)] and "`classifier.1.weight`" in result.findings[0].message
+
+
+def _beside_run(head_loss, *, audited: bool = True, steps: int = 3):
+    """The digits CNN under DP-SGD and a 64 -> 64 head beside it, trained by its own SGD on `head_loss(model, head,
+    batch)` after each DP step. (model, head, the audit's result or None)."""
+    model, optimizer, loader, _ = make_private_digits(seed=0)
+    torch.manual_seed(7)
+    head = nn.Linear(64, 64)
+    second = torch.optim.SGD(head.parameters(), lr=0.1)
+    auditor = None
+    if audited:
+        auditor = PrivacyAuditor(optimizer, module=nn.ModuleDict({"body": model, "head": head}), data_loader=loader,
+                                 seed=1, other_optimizers=[second], on_violation=lambda result: None)
+        assert auditor.result().findings == ()  # beside the model the batch runs through: judged by what trains it
+
+    def train_head(batch):
+        second.zero_grad()
+        optimizer.zero_grad(set_to_none=True)
+        head_loss(model, head, batch).backward()
+        second.step()
+        optimizer.zero_grad(set_to_none=True)  # the DP model's per-sample gradients of this pass dropped
+
+    batches = []
+    _train(model, optimizer, loader, steps, step_loss=lambda b: batches.append(b) or CE(model(b[0]), b[1]),
+           after=lambda: train_head(batches[-1]))
+    return model, head, None if auditor is None else auditor.result()
+
+
+def test_another_optimizer_beside_the_model_trained_on_the_batch_is_flagged():
+    """The head reads the private batch: a backward pass of the data's reaches it, outside_dp at step 2 (the first
+    comparison after its first update)."""
+    _, _, result = _beside_run(lambda model, head, batch: CE(head(batch[0].reshape(-1, 64))[:, :10], batch[1]))
+    assert _codes(result) == [("outside_dp", 2)] and "`head.weight`, `head.bias`" in result.findings[0].message
+
+
+def _generator_loss(model, head, batch):
+    """A generator's loss: generated inputs through the DP model alone (no tensor of the batch)."""
+    z = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    return -model(head(z).reshape(-1, 1, 8, 8)).logsumexp(dim=1).mean()
+
+
+def test_a_generator_trained_through_the_dp_model_alone_is_a_note_and_training_is_unchanged():
+    """Trained only through the DP model's outputs (a DP-GAN's generator): no finding, a note; every parameter as in
+    the same run without the audit (the traced steps change nothing)."""
+    model, head, result = _beside_run(_generator_loss)
+    plain_model, plain_head, _ = _beside_run(_generator_loss, audited=False)
+    assert result.findings == () and not result.violation
+    assert any("never started from the private batch" in n and "`head.weight`" in n for n in result.notes)
+    for a, b in zip([*model.parameters(), *head.parameters()], [*plain_model.parameters(), *plain_head.parameters()]):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 def test_a_tensor_left_out_but_never_changed_releases_nothing():

@@ -1,10 +1,10 @@
 """Everything trained is private: no tensor of the module learns from the data outside the DP optimizer.
 
 optimizers   a tensor held by another optimizer of the run (the Trainer's other optimizers, or
-             `other_optimizers=`), the module's or not (a loss's own temperature): trained without
-             noise. Certain at attach: finding `outside_dp`. The check cannot tell what those gradients
-             came from: a generator trained only through a DP discriminator (a DP-GAN), which is
-             post-processing, is flagged too.
+             `other_optimizers=`): inside the model the private batch runs through (Opacus's
+             GradSampleModule), trained on the data without noise: certain at attach, finding
+             `outside_dp`. Beside it (a generator, a loss's own temperature), it is watched as below,
+             and trained on the data only if its gradients come from the data.
 parameters   a tensor of the module that requires grad and that the DP optimizer does not hold is
              watched: its fingerprint (sum, sum of squares and a fixed random projection, float64)
              is taken at attach and compared at steps 1, 2 and every WATCH_EVERY steps, and a hook
@@ -16,6 +16,12 @@ parameters   a tensor of the module that requires grad and that the DP optimizer
              gradient ever reaching it was computed from other tensors, most often the DP iterates
              (an EMA or SWA average, a copy for evaluation): post-processing, said in a note, never
              an alarm. Left unchanged it releases nothing, and is counted in the status.
+data         on the compared steps (from the loader's batch to the next), data_taint.py marks what is
+             computed from the private batch: a watched tensor that received a gradient from a backward
+             pass of the data's is certain (`outside_dp`); one whose gradients there all came from
+             backward passes that start elsewhere (a generator through a DP discriminator's output) is
+             trained by post-processing of DP outputs: a note. Without batches seen (no loader watched),
+             any gradient counts as the data's.
 buffers      buffers the forward pass updates from the examples (running statistics) are found by
              the exact checks' replay (coupling.py).
 """
@@ -26,7 +32,9 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ...release.ghost import grad_sample_module_in
 from .base import DOES_NOT_DESCRIBE, RunCheck
+from .data_taint import DataTaint
 
 CODE = "outside_dp"
 WATCH_EVERY = 100
@@ -60,6 +68,9 @@ class OutsideDPCheck(RunCheck):
         self.compared = 0
         self.received: set = set()  # watched tensors a gradient reached while attached (the hooks)
         self.post_processed: set = set()  # watched tensors that changed with no gradient reaching them
+        self.from_data: set = set()  # watched tensors a backward pass of the data's reached (traced steps)
+        self.elsewhere: set = set()  # watched tensors a backward pass not of the data's reached (traced steps)
+        self.taint, self.batches_traced = DataTaint(), 0
         self.handles: list = []
 
     def attach(self, run) -> None:
@@ -69,16 +80,21 @@ class OutsideDPCheck(RunCheck):
         module = getattr(module, "_module", module)  # a GradSampleModule's tensors by the model's own names
         named = [] if module is None else [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
         names = {id(p): n for n, p in named}
-        others = []
+        gsm = None if module is None else grad_sample_module_in(module, run.params)
+        data_model = None if gsm is None else {id(p) for p in gsm.parameters()}  # None: every tensor counts as in it
+        others, beside = [], []
         for optimizer in run.other_optimizers:  # every tensor they hold, the module's or not (a loss's own, ...)
             held = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in covered]
-            if held:
+            inside = [p for p in held if data_model is None or id(p) in data_model]
+            beside += [p for p in held if data_model is not None and id(p) not in data_model and id(p) not in names]
+            if inside:
                 others.append((type(optimizer).__name__, [names.get(id(p), f"a tensor of shape {tuple(p.shape)}")
-                                                          for p in held]))
+                                                          for p in inside]))
         if others:
             said = "; ".join(f"{listed(names)} by {kind}" for kind, names in others)
             self._found(f"tensors of the module are trained by another optimizer than the DP optimizer, without noise "
                         f"or clipping: {said}", 0)
+        named += [(f"a tensor of shape {tuple(p.shape)} held by another optimizer", p) for p in beside]
         self.watched = {n: (p, fingerprint(p), grad_print(p)) for n, p in named if p.requires_grad}
         self.handles = [p.register_post_accumulate_grad_hook(self._receiver(n))
                         for n, (p, _, _) in self.watched.items() if p.is_leaf]
@@ -87,10 +103,26 @@ class OutsideDPCheck(RunCheck):
         def received(_tensor) -> None:
             if not self.run.busy:  # the audit's own passes are not the data's
                 self.received.add(name)
+                if self.taint.active:
+                    (self.from_data if self.taint.from_data else self.elsewhere).add(name)
         return received
 
+    def batch(self, batch) -> None:
+        """Trace what is computed from the batch of a compared step (data_taint.py), up to the next batch."""
+        coming = self.run.steps() + 1
+        if self.watched and not self.found and (coming <= 2 or coming % WATCH_EVERY == 0):
+            self.taint.start(batch.tensors)
+            self.batches_traced += 1
+        else:
+            self.taint.stop()
+
     def _trained(self, name: str) -> bool:
-        """Whether a gradient reached the watched tensor while attached: its hook fired, or its `.grad` changed."""
+        """Whether the data's gradient reached the watched tensor while attached: a backward pass of the data's
+        did, or (no batch traced) its hook fired or its `.grad` changed."""
+        if name in self.from_data:
+            return True
+        if self.batches_traced and name in self.elsewhere:
+            return False  # gradients, but none the data's where traced: post-processing of DP outputs
         p, _, grad_before = self.watched[name]
         return name in self.received or (p.grad is not None and grad_print(p) != grad_before)
 
@@ -104,6 +136,7 @@ class OutsideDPCheck(RunCheck):
         self.post_processed.update(n for n in changed if n not in trained)
         self.post_processed.difference_update(trained)
         if trained:
+            self.taint.stop()
             self._found(f"{listed(trained)} changed by step {step} and received gradients, though the DP optimizer "
                         f"does not hold {'them' if len(trained) > 1 else 'it'}: trained on the data without noise or "
                         "clipping", step)
@@ -115,10 +148,16 @@ class OutsideDPCheck(RunCheck):
     def notes(self) -> list:
         if not self.post_processed:
             return []
-        names = sorted(self.post_processed)
-        return [(CODE, f"{len(names)} tensor(s) outside the DP optimizer changed without receiving a gradient "
-                 f"({listed(names)}): post-processing such as an average of the DP iterates (EMA), not trained on the "
-                 "data's gradients")]
+        through = sorted(n for n in self.post_processed if n in self.elsewhere)
+        computed = sorted(n for n in self.post_processed if n not in self.elsewhere)
+        said = [] if not computed else [(CODE, (
+            f"{len(computed)} tensor(s) outside the DP optimizer changed without receiving a gradient "
+            f"({listed(computed)}): post-processing such as an average of the DP iterates (EMA), not trained on the "
+            "data's gradients"))]
+        return said + ([] if not through else [(CODE, (
+            f"{len(through)} tensor(s) outside the DP optimizer changed by gradients whose backward passes never "
+            f"started from the private batch ({listed(through)}; traced on {self.batches_traced} steps): trained "
+            "through the DP model's outputs alone, such as a generator through a DP discriminator: post-processing"))])
 
     def status(self) -> str:
         if self.run.module is None:
@@ -126,6 +165,7 @@ class OutsideDPCheck(RunCheck):
         return f"tensors outside the DP optimizer ({len(self.watched)} watched, {self.compared} comparisons)"
 
     def close(self) -> None:
+        self.taint.stop()
         for handle in self.handles:
             handle.remove()
         self.handles = []
