@@ -396,6 +396,7 @@ def test_a_generator_trained_through_the_dp_model_alone_is_a_note_and_training_i
     plain_model, plain_head, _ = _beside_run(_generator_loss, audited=False)
     assert result.findings == () and not result.violation
     assert any("never started from the private batch" in n and "`head.weight`" in n for n in result.notes)
+    assert not torch._C._is_torch_function_mode_enabled()  # traced steps 1 and 2 only: nothing traces step 3 on
     for a, b in zip([*model.parameters(), *head.parameters()], [*plain_model.parameters(), *plain_head.parameters()]):
         assert torch.allclose(a, b, atol=1e-6)
 

@@ -70,7 +70,7 @@ class OutsideDPCheck(RunCheck):
         self.post_processed: set = set()  # watched tensors that changed with no gradient reaching them
         self.from_data: set = set()  # watched tensors a backward pass of the data's reached (traced steps)
         self.elsewhere: set = set()  # watched tensors a backward pass not of the data's reached (traced steps)
-        self.taint, self.batches_traced = DataTaint(), 0
+        self.taint, self.batches_traced, self.traced_step = DataTaint(), 0, 0
         self.handles: list = []
 
     def attach(self, run) -> None:
@@ -112,7 +112,7 @@ class OutsideDPCheck(RunCheck):
         coming = self.run.steps() + 1
         if self.watched and not self.found and (coming <= 2 or coming % WATCH_EVERY == 0):
             self.taint.start(batch.tensors)
-            self.batches_traced += 1
+            self.batches_traced, self.traced_step = self.batches_traced + 1, coming
         else:
             self.taint.stop()
 
@@ -128,6 +128,8 @@ class OutsideDPCheck(RunCheck):
 
     def step(self, seen) -> None:
         step = seen.step
+        if step > self.traced_step:  # a later step than the one traced: nothing more to trace (no batch came)
+            self.taint.stop()
         if self.found or not self.watched or not (step <= 2 or step % WATCH_EVERY == 0):
             return
         self.compared += 1
