@@ -14,7 +14,8 @@ import warnings
 
 from opacus.accountants.utils import get_noise_multiplier
 
-from lightning_dpaudit.testing import HOLDOUT, train_audited
+from lightning_dpaudit.integrations.testing import HOLDOUT
+from lightning_dpaudit.testing import train_audited
 
 SAMPLE_RATE = 1 / 25  # 1,541 training digits at batch 64: Opacus's Poisson rate is 1 / len(loader)
 
