@@ -26,9 +26,9 @@ Parts (--part):
             or Poisson batches. Counts how often each bound exceeds the accountant's
             epsilon over --runs seeds (data, model, noise and inclusion seed all differ).
 
-    .venv/bin/python bench/final_model.py --part kinds [--seeds 0 1 2] [--out PATH]
-    .venv/bin/python bench/final_model.py --part bugs [--seeds 0 1 2] [--models cnn mlp512]
-    .venv/bin/python bench/final_model.py --part validity [--runs 50]
+    .venv/bin/python bench/validity/final_model.py --part kinds [--seeds 0 1 2] [--out PATH]
+    .venv/bin/python bench/validity/final_model.py --part bugs [--seeds 0 1 2] [--models cnn mlp512]
+    .venv/bin/python bench/validity/final_model.py --part validity [--runs 50]
 
 Tables go to stdout (markdown); the rows go to --out (default: final_model_<part>.json
 next to this file); --from-json PATH prints the tables of saved rows again.

@@ -5,7 +5,7 @@ Opacus's hooks, batch 64, one thread, the default auditor given the loader. For 
 runs alternate plain and audited (`--rounds` of each, the median taken), so machine noise hits
 both alike; the audit's cost is audited minus plain, in ms per step.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/tensor_count.py [--layers 2 8 32] [--steps 200] [--rounds 3]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/cost/tensor_count.py [--layers 2 8 32] [--steps 200] [--rounds 3]
 """
 
 from __future__ import annotations

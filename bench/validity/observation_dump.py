@@ -4,7 +4,7 @@ Fourteen configurations (every grad_sample_mode the digits CNN takes, per-layer 
 reduction, paired, each canary family, cadences, shuffled batches) x 2 seeds. Each configuration trains the bundled digits CNN for `--steps` steps under a seed, audited; the digest covers every
 observation array and the result's numbers, findings and statuses. Run it on two checkouts and compare the files:
 
-    OMP_NUM_THREADS=1 PYTHONPATH=<checkout> .venv/bin/python bench/observation_dump.py --out before.json
+    OMP_NUM_THREADS=1 PYTHONPATH=<checkout> .venv/bin/python bench/validity/observation_dump.py --out before.json
     diff before.json after.json
 """
 

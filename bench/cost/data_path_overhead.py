@@ -1,7 +1,7 @@
 """What the exact data-path checks cost: the audit with them (default every 100 steps) against the audit
 without them (per_sample_check_every=0), alternating A and B in one run, the ratio of median times.
 
-    .venv/bin/python bench/data_path_overhead.py [--configs digits64 digits512 transformer10M] [--steps 100] [--rounds 10]
+    .venv/bin/python bench/cost/data_path_overhead.py [--configs digits64 digits512 transformer10M] [--steps 100] [--rounds 10]
 
 Besides the A/B ratio (which on a loaded machine carries the load's own noise), it reports the
 time spent inside the exact checks as a share of the B runs' time: the checks' own cost.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from overhead import SPENT, timed_checks  # noqa: E402  (this directory's overhead.py)
 warnings.filterwarnings("ignore")
 

@@ -5,7 +5,7 @@ separate virtualenv that has it installed, e.g.
 
     python3 -m venv /tmp/jp-venv
     /tmp/jp-venv/bin/pip install jax-privacy==2.0.0
-    /tmp/jp-venv/bin/python bench/record_jax_privacy_reference.py
+    /tmp/jp-venv/bin/python bench/validity/record_jax_privacy_reference.py
 
 (jax-privacy 2.0.0 pulls in CPU jax/jaxlib, optax, chex, pydantic and dp_accounting,
 about 650 MB, but no torch or tensorflow; the package is imported normally.)
@@ -43,7 +43,7 @@ import numpy as np
 import scipy.optimize
 from jax_privacy import auditing
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "jax_privacy_reference.json"
+OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "jax_privacy_reference.json"
 
 # (m, r, v, delta, confidence): m canaries, r guesses, v correct guesses.
 # "one_run" uses every row; "one_run_fdp" only the rows with delta > 0: the Gaussian

@@ -3,7 +3,7 @@
 Digits CNN, batch 64, default auditor; `torch.save(auditor.state_dict())` in the form the
 callback checkpoints it, after each of the given step counts in one run.
 
-    .venv/bin/python bench/state_size.py [--steps 600 2400]
+    .venv/bin/python bench/cost/state_size.py [--steps 600 2400]
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Bad and unusual input across the public surface: each case runs in its own process and is classified.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/probe.py [--only SUBSTRING] [--list]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/robustness/probe.py [--only SUBSTRING] [--list]
 
 Classes (each case states the one it expects):
   refused       a clear ValueError/TypeError/RuntimeError (AuditStateError, ReportError, a CLI usage error)
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Tuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 CLASSES = ("refused", "handled", "late", "raw", "silent-wrong", "runaway")
 TIMEOUT = 60.0

@@ -1,6 +1,6 @@
 """Speed of epsilon_lower_bound on 10^6 observations per side, and of the Bayesian methods.
 
-    .venv/bin/python bench/estimator_speed.py [--n 1000000] [--repeats 5]
+    .venv/bin/python bench/cost/estimator_speed.py [--n 1000000] [--repeats 5]
 
 Prints the median wall time of each method at a fixed threshold (sort once, count with
 searchsorted), and of the Bayesian methods from counts.

@@ -6,7 +6,7 @@ times them in alternating rounds of `--steps` steps (order swapped every round),
 machine noise hits both alike; the ratio of the median round times is reported. The
 same measurement on one process (world size 1) is printed beside it.
 
-    .venv/bin/python bench/ddp_overhead.py [--steps 50] [--rounds 6] [--batch-size 64]
+    .venv/bin/python bench/cost/ddp_overhead.py [--steps 50] [--rounds 6] [--batch-size 64]
 """
 
 import argparse

@@ -5,7 +5,7 @@ the table gives the steps and canaries the demo chose, the seconds, the epsilon 
 bound of audit_report.json and the 1-minute load average before and after the run
 (the machine's other work shows there).
 
-    .venv/bin/python bench/demo_canaries.py [--kinds crafted blank ...] [--threads N]
+    .venv/bin/python bench/validity/demo_canaries.py [--kinds crafted blank ...] [--threads N]
 """
 
 import argparse

@@ -16,7 +16,7 @@ The four kinds are the run checks' finding codes (lightning_dpaudit/engine/check
 `sampling`, `multiplicity`, `coupled_examples`, `outside_dp`. A mistake counts as flagged when
 the audit reports any of them.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/pipeline_mistakes.py [--only NAME[,NAME...]] [--steps 300] [--seed 0] [--list]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/validity/pipeline_mistakes.py [--only NAME[,NAME...]] [--steps 300] [--seed 0] [--list]
 """
 
 from __future__ import annotations

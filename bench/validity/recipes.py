@@ -11,7 +11,7 @@ such and does not fail the bench; it fails the bench if it stops failing, so tha
 The canaries' alarm has a false-alarm budget of 5% per correct run (tests/test_ghost.py's docstring): over many
 seeds a correct recipe may be flagged by it, with a canary finding and no pipeline or data-path finding.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/recipes.py [--recipes NAME ...] [--runs 20] [--steps 300] [--fast] [--list]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/validity/recipes.py [--recipes NAME ...] [--runs 20] [--steps 300] [--fast] [--list]
 
 Exits with status 1 when a recipe fails, 0 otherwise.
 """
@@ -29,7 +29,7 @@ from typing import List
 import torch
 
 # tests/ first: its recipes.py, not this file, is the module `recipes`
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from recipe_runs import Recipe, flagged, quiet, uncompared  # noqa: E402
 from recipes import RECIPES  # noqa: E402
 

@@ -4,7 +4,7 @@ Digits CNN, batch 64 (Poisson), 1,000 steps, delta 1e-5, RDP accountant; noise m
 chosen by Opacus so that the accountant's epsilon is about 1, 2, 4, 8. One run per seed
 and target; the table gives each seed's ratio and their median.
 
-    .venv/bin/python bench/tightness.py [--steps 1000] [--canaries auto] [--seeds 0 1 2 3 4] [--estimators gdp-cp]
+    .venv/bin/python bench/validity/tightness.py [--steps 1000] [--canaries auto] [--seeds 0 1 2 3 4] [--estimators gdp-cp]
 """
 
 import argparse

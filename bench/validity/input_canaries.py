@@ -5,7 +5,7 @@ batch 64 (Poisson), delta 1e-5, RDP accountant, 95%, gdp-cp; noise multipliers c
 Opacus for an accountant epsilon of about 2, 4, 8 after `--steps` steps. Each row is one
 run; "window" rows observe only the first `--window` steps (paper 003, App. D.1).
 
-    .venv/bin/python bench/input_canaries.py [--steps 1000] [--canaries 32] [--window 250]
+    .venv/bin/python bench/validity/input_canaries.py [--steps 1000] [--canaries 32] [--window 250]
 """
 
 import argparse

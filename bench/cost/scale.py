@@ -23,9 +23,9 @@ timed run follows a full garbage collection, so that none pays for the others' g
 Each measuring process may use at most `--max-gb` of address space; a cell that needs
 more fails on its own (shown as "-", with the error) instead of starving the machine.
 
-    .venv/bin/python bench/scale.py --steps 10 --rounds 3 --out scale.md --resume scale.jsonl
-    .venv/bin/python bench/scale.py --sizes 0.1M 1M --steps 20 --rounds 3 --configs plain dirac
-    .venv/bin/python bench/scale.py --model transformer --steps 4 --rounds 3 --out scale_transformer.md
+    .venv/bin/python bench/cost/scale.py --steps 10 --rounds 3 --out scale.md --resume scale.jsonl
+    .venv/bin/python bench/cost/scale.py --sizes 0.1M 1M --steps 20 --rounds 3 --configs plain dirac
+    .venv/bin/python bench/cost/scale.py --model transformer --steps 4 --rounds 3 --out scale_transformer.md
 """
 
 import argparse
@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from _transformer import SIZES as TRANSFORMER_SHAPES, build_model, markov_tokens  # noqa: E402
 
 SIZES = {"0.1M": (100_000, 64), "1M": (1_000_000, 64), "10M": (10_000_000, 64), "40M": (40_000_000, 16)}
@@ -120,7 +120,7 @@ def build_transformer(size, config, canaries, mode):
 def train(run, steps):
     """Seconds for `steps` optimizer steps, cycling over the fixed batches."""
     model, optimizer, batches, loss = run
-    gc.collect()  # every timed run from the same collector state (bench/overhead.py says why)
+    gc.collect()  # every timed run from the same collector state (bench/cost/overhead.py says why)
     start = time.perf_counter()
     for i in range(steps):
         optimizer.zero_grad()
@@ -227,7 +227,7 @@ def main():
     nan = float("nan")
     transformer = args.model == "transformer"
     label = (lambda mode, c: f"{mode} {c}") if transformer else (lambda mode, c: c)
-    lines = [f"`bench/scale.py {' '.join(sys.argv[1:])}`: model={args.model} steps={args.steps} rounds={args.rounds} "
+    lines = [f"`bench/cost/scale.py {' '.join(sys.argv[1:])}`: model={args.model} steps={args.steps} rounds={args.rounds} "
              f"threads={args.threads} warm-up={WARMUP} dirac canaries/step={args.canaries or 'default'}",
              "| parameters | batch | configuration | ms/step (median) | audited/plain time | peak RSS (MB) | extra peak vs plain (MB) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

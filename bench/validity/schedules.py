@@ -4,7 +4,7 @@ Digits CNN, sigma 2.0 at the start, default PrivacyAuditor, one thread; each sch
 stepped after every epoch (29 steps). Tightness is the end-to-end lower bound over the
 accountant's epsilon; the first row is the same run with sigma and C fixed.
 
-    .venv/bin/python bench/schedules.py [--steps 1000] [--seed 0]
+    .venv/bin/python bench/validity/schedules.py [--steps 1000] [--seed 0]
 """
 
 import argparse

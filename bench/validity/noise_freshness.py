@@ -15,8 +15,8 @@ measures
   targets   with --targets, the digits CNN at default settings with each freshness bug:
             the step of the first alarm, what fired, and the finding's correlation.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/freshness.py [--runs 20000] [--run-steps 1000] [--fingerprints]
-    OMP_NUM_THREADS=1 .venv/bin/python bench/freshness.py --targets --runs 0
+    OMP_NUM_THREADS=1 .venv/bin/python bench/validity/noise_freshness.py [--runs 20000] [--run-steps 1000] [--fingerprints]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/validity/noise_freshness.py --targets --runs 0
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """How often each estimator's bound exceeds the truth, over many simulated trials.
 
-    .venv/bin/python bench/estimator_validity.py [--trials 10000] [--check 20] [--out table.md]
-    .venv/bin/python bench/estimator_validity.py --part exact   # Bayesian methods, small n, exact
+    .venv/bin/python bench/validity/estimator_validity.py [--trials 10000] [--check 20] [--out table.md]
+    .venv/bin/python bench/validity/estimator_validity.py --part exact   # Bayesian methods, small n, exact
 
 A lower bound at confidence 0.95 may exceed the true value in at most 5% of trials (the
 budget, 1 - confidence); on null data (no difference between in and out) the truth is 0,

@@ -4,7 +4,7 @@ Modes: "single" (one process, DPOptimizerFastGradientClipping), "ddp" (DPDDP + g
 gloo processes) and "fsdp" (FSDP2Wrapper + ghost_fsdp on two gloo processes). The model is
 the token classifier of tests/ghost_setups.py (Embedding, two Linear layers, LayerNorm).
 
-    .venv/bin/python bench/ghost_bug_zoo.py [--mode single|ddp|fsdp|all] [--steps 200]
+    .venv/bin/python bench/validity/ghost_bug_zoo.py [--mode single|ddp|fsdp|all] [--steps 200]
 """
 
 import argparse
@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
+TESTS = Path(__file__).resolve().parents[2] / "tests"
 sys.path.insert(0, str(TESTS))
 
 NAMES = ["correct", "halved-linear-norms", "unclamped-coefficients", "wrong-noise", "no-noise", "mean-sensitivity",

@@ -4,7 +4,7 @@
 finds it); with check_every="auto" (8 steps on one process) it is raised at the next check,
 where training stops ("raised at").
 
-    .venv/bin/python bench/bug_zoo.py [--steps 1000] [--seed 0] [--canary dirac] [--canaries auto] [--bugs NAME ...]
+    .venv/bin/python bench/validity/bug_zoo.py [--steps 1000] [--seed 0] [--canary dirac] [--canaries auto] [--bugs NAME ...]
 """
 
 import argparse

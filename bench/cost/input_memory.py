@@ -8,7 +8,7 @@ configuration runs in a fresh process and reports its peak resident set (ru_maxr
     plain, batch B + k      Opacus alone with k more examples per batch: what k examples cost
     audited, batch B        PrivacyAuditor(canary="mislabeled", canaries_per_step=k)
 
-    .venv/bin/python bench/input_memory.py [--steps 5] [--batch 64] [--canaries 32] [--width 2048] [--mode one-run]
+    .venv/bin/python bench/cost/input_memory.py [--steps 5] [--batch 64] [--canaries 32] [--width 2048] [--mode one-run]
 
 The package is imported from PYTHONPATH, so another checkout can be measured with the
 same script. Measured on a 2-core CPU machine (10,512,394 parameters, batch 64, 32

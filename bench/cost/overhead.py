@@ -4,9 +4,9 @@ Digits CNN under Opacus (batch 64, Poisson sampling), `--steps` steps per timing
 runs alternate A (no auditor), B (auditor) so that machine noise hits both alike; the
 ratio of the medians is reported for each mode.
 
-    .venv/bin/python bench/overhead.py [--steps 300] [--rounds 5] [--batch-size 64] [--canaries auto]
-    .venv/bin/python bench/overhead.py --canary crafted --canaries 32 --modes one-run --steps 1000 --rounds 3
-    .venv/bin/python bench/overhead.py --modes one-run --profile     # and where the audited step's time goes
+    .venv/bin/python bench/cost/overhead.py [--steps 300] [--rounds 5] [--batch-size 64] [--canaries auto]
+    .venv/bin/python bench/cost/overhead.py --canary crafted --canaries 32 --modes one-run --steps 1000 --rounds 3
+    .venv/bin/python bench/cost/overhead.py --modes one-run --profile     # and where the audited step's time goes
 
 `--modes` takes the audit's modes (one-run, paired) and `no-checks`: one-run with the exact
 data-path checks off (per_sample_check_every=0), so that the checks' own share shows side by
@@ -14,7 +14,7 @@ side; the time spent inside the checks is also clocked within the one-run timing
 auditor is given the loader (`watch_loader`, as the guides show), so the run checks run too: their
 per-step work (each batch's fingerprint and records, each step's rows) is clocked on its own, and
 their replays at the exact checks' steps count inside the exact checks.
-(bench/data_path_overhead.py compares the same two on the 10 M transformer and a dropout model.)
+(bench/cost/data_path_overhead.py compares the same two on the 10 M transformer and a dropout model.)
 
 Each mode's row gives the audit's own time per step in milliseconds (its median minus the
 plain run's) beside the ratio. `--profile` then times one more audited run of the same length

@@ -8,7 +8,7 @@ checks' cadence, default the audit's own), from the same seeds. A row gives what
 did, whether the audited model equals it (largest parameter difference), the exact check's steps
 compared, the findings and the verdict. Where Opacus fails, the row names Opacus and its error.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/real_models.py [--steps 20] [--every 5] [--only gpt2-tied,bert]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/validity/real_models.py [--steps 20] [--every 5] [--only gpt2-tied,bert]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from model_families import FAMILIES, MODES, train  # noqa: E402
 
 TOLERANCE = 1e-5  # the canaries' R - K rounding

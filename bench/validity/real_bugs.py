@@ -6,7 +6,7 @@ and the same run without the patch shows what correct Opacus gives. One row per 
 first alarm's step, the findings (certainties and statistical), and the empirical epsilon
 bound beside the accountant's.
 
-    .venv/bin/python bench/real_bugs.py [--steps 150] [--bugs opacus-751,...] [--markdown]
+    .venv/bin/python bench/validity/real_bugs.py [--steps 150] [--bugs opacus-751,...] [--markdown]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Digits CNN, batch 64, default auditor, 1 thread; each phase is wrapped with a timer and
 reported in ms per step next to the whole step.
 
-    .venv/bin/python bench/step_cost.py [--steps 300] [--batch-size 64] [--check-every 8]
+    .venv/bin/python bench/cost/step_cost.py [--steps 300] [--batch-size 64] [--check-every 8]
 """
 
 import argparse

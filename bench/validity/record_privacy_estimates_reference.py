@@ -5,7 +5,7 @@ separate virtualenv that has it installed, e.g.
 
     python3 -m venv /tmp/pe-venv
     /tmp/pe-venv/bin/pip install privacy-estimates==0.1.0.post1
-    /tmp/pe-venv/bin/python bench/record_privacy_estimates_reference.py
+    /tmp/pe-venv/bin/python bench/validity/record_privacy_estimates_reference.py
 
 It writes tests/data/privacy_estimates_reference.json, which our tests compare
 against. Each "joint-beta" case is evaluated twice with the package's own code:
@@ -27,7 +27,7 @@ import scipy.integrate
 import scipy.optimize
 from privacy_estimates import AttackResults, compute_eps_lo
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "privacy_estimates_reference.json"
+OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "privacy_estimates_reference.json"
 
 # (tp, fn, fp, tn, confidence, delta); every count >= 1, n per side in [50, 2000].
 # "joint-beta" uses the first JOINT_BETA_CASES rows, "beta" uses all of them. Very

@@ -4,7 +4,7 @@ Runs `dpaudit demo --steps N` and `dpaudit demo --steps N --no-audit` alternatel
 in a fresh process, and reports the ratio of the median wall times (whole command:
 start-up, training, logging, report).
 
-    .venv/bin/python bench/demo_overhead.py [--steps 600] [--rounds 3]
+    .venv/bin/python bench/cost/demo_overhead.py [--steps 600] [--rounds 3]
 """
 
 import argparse

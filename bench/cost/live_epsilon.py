@@ -1,6 +1,6 @@
 """Cost of both epsilons per log step: LiveEpsilon against fresh Opacus accountants.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/live_epsilon.py [--steps 1000] [--every 50]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/cost/live_epsilon.py [--steps 1000] [--every 50]
 
 A run of `--steps` steps at noise multiplier 1.0 and sample rate 64/1797 (digits, batch
 64) is evaluated after every step, as a live view would: the accountant's epsilon and

@@ -12,7 +12,7 @@ run checks' status line of the first run (its lowest seed) is printed, to show w
 runs are also judged by the naive rule the alarm replaces: fixed-sample 95% Clopper-Pearson mu
 bounds for the pool and each tensor, recomputed after every step.
 
-    .venv/bin/python bench/false_alarms.py [--runs 200] [--steps 1000] [--workers 2] [--mode MODE] [--first-run K]
+    .venv/bin/python bench/validity/false_alarms.py [--runs 200] [--steps 1000] [--workers 2] [--mode MODE] [--first-run K]
 
 (--first-run K: runs K, K+1, ... with their own seeds, so a long measurement can be taken in parts.)
 
@@ -100,7 +100,7 @@ def _run_ghost(seed, steps, sigma, adaptive=False):
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from ghost_setups import make_ghost, train_ghost
 
     from lightning_dpaudit import PrivacyAuditor
@@ -235,7 +235,7 @@ def _ddp(args, runs, start):
     import tempfile
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from ddp_scenarios import launch
 
     alarms, exact, pipeline, failed, disagree, status = 0, [], [], [], 0, None
