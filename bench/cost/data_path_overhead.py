@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
+
+from _path import harness
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from overhead import SPENT, timed_checks  # noqa: E402  (this directory's overhead.py)
+from overhead import SPENT, timed_checks  # this folder's overhead.py
+
+harness.on_path("examples")  # _transformer.py
 warnings.filterwarnings("ignore")
 
 

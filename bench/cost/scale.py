@@ -37,7 +37,8 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
+
+from _path import harness
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+harness.on_path("examples")
 from _transformer import SIZES as TRANSFORMER_SHAPES, build_model, markov_tokens  # noqa: E402
 
 SIZES = {"0.1M": (100_000, 64), "1M": (1_000_000, 64), "10M": (10_000_000, 64), "40M": (40_000_000, 16)}

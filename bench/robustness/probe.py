@@ -33,8 +33,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Tuple
 
+from _path import harness
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+harness.on_path(".")  # this checkout's lightning_dpaudit, whatever PYTHONPATH says
 
 CLASSES = ("refused", "handled", "late", "raw", "silent-wrong", "runaway")
 TIMEOUT = 60.0

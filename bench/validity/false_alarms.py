@@ -50,6 +50,8 @@ import argparse
 import time
 from multiprocessing import Pool
 
+from _path import harness
+
 import numpy as np
 from scipy.stats import beta, norm
 
@@ -92,15 +94,13 @@ def _naive_alarm(obs: dict, claimed: float) -> bool:
 
 
 def _run_ghost(seed, steps, sigma, adaptive=False):
-    import sys
     import warnings
-    from pathlib import Path
 
     import torch
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    harness.on_path("tests")
     from ghost_setups import make_ghost, train_ghost
 
     from lightning_dpaudit import PrivacyAuditor
@@ -231,11 +231,10 @@ def _pipeline_lines(found: list) -> str:
 def _ddp(args, runs, start):
     """The ddp and fsdp modes: batches of runs in two fresh processes each, a rank's outcome per run (both ranks
     must agree)."""
-    import sys
     import tempfile
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    harness.on_path("tests")
     from ddp_scenarios import launch
 
     alarms, exact, pipeline, failed, disagree, status = 0, [], [], [], 0, None

@@ -8,12 +8,12 @@ the token classifier of tests/ghost_setups.py (Embedding, two Linear layers, Lay
 """
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[2] / "tests"
-sys.path.insert(0, str(TESTS))
+from _path import harness
+
+harness.on_path("tests")  # ghost_setups.py, ddp_scenarios.py
 
 NAMES = ["correct", "halved-linear-norms", "unclamped-coefficients", "wrong-noise", "no-noise", "mean-sensitivity",
          "reused-noise", "unnoised-layer"]

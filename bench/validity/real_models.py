@@ -14,13 +14,13 @@ compared, the findings and the verdict. Where Opacus fails, the row names Opacus
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
+
+from _path import harness
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+harness.on_path("tests")
 from model_families import FAMILIES, MODES, train  # noqa: E402
 
 TOLERANCE = 1e-5  # the canaries' R - K rounding

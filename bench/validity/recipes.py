@@ -23,13 +23,13 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import List
+
+from _path import harness
 
 import torch
 
-# tests/ first: its recipes.py, not this file, is the module `recipes`
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+harness.on_path("tests")  # tests/ first: its recipes.py, not this file, is the module `recipes`
 from recipe_runs import Recipe, flagged, quiet, uncompared  # noqa: E402
 from recipes import RECIPES  # noqa: E402
 

@@ -37,13 +37,14 @@ import contextlib
 import json
 import platform
 from importlib.metadata import version
-from pathlib import Path
+
+from _path import harness
 
 import numpy as np
 import scipy.optimize
 from jax_privacy import auditing
 
-OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "jax_privacy_reference.json"
+OUT = harness.ROOT / "tests" / "data" / "jax_privacy_reference.json"
 
 # (m, r, v, delta, confidence): m canaries, r guesses, v correct guesses.
 # "one_run" uses every row; "one_run_fdp" only the rows with delta > 0: the Gaussian

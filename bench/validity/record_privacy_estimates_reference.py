@@ -20,14 +20,15 @@ import platform
 import time
 import warnings
 from importlib.metadata import version
-from pathlib import Path
+
+from _path import harness
 
 import privacy_estimates.joint_density as joint_density
 import scipy.integrate
 import scipy.optimize
 from privacy_estimates import AttackResults, compute_eps_lo
 
-OUT = Path(__file__).resolve().parents[2] / "tests" / "data" / "privacy_estimates_reference.json"
+OUT = harness.ROOT / "tests" / "data" / "privacy_estimates_reference.json"
 
 # (tp, fn, fp, tn, confidence, delta); every count >= 1, n per side in [50, 2000].
 # "joint-beta" uses the first JOINT_BETA_CASES rows, "beta" uses all of them. Very
