@@ -17,7 +17,6 @@ check interval, so it holds its share of checked steps).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
 
@@ -135,11 +134,11 @@ def main() -> None:
         for run in runs.values():
             timed(run, 3, 0)  # warm-up, before the timed steps
         SPENT["seconds"] = 0.0
-        times = {"A": [], "B": []}
-        for r in range(args.rounds):
-            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                times[name].append(timed(runs[name], args.steps, 3 + r * args.steps))
-        a, b = statistics.median(times["A"]), statistics.median(times["B"])
+        # round r times steps 3 + r * steps onwards of each run (A first in even rounds, B first in odd ones)
+        times = harness.alternate({name: (lambda r, run=run: timed(run, args.steps, 3 + r * args.steps))
+                                   for name, run in runs.items()}, args.rounds, swap=True)
+        medians = harness.medians(times)
+        a, b = medians["A"], medians["B"]
         inside = SPENT["seconds"] / sum(times["B"])
         print(f"| {config} | {a:.2f} | {b:.2f} | {b / a:.3f} | {sum(times['B']) / sum(times['A']):.3f} | "
               f"{inside:.2%} |", flush=True)

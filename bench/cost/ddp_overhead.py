@@ -16,7 +16,8 @@ import socket
 import time
 import warnings
 
-import numpy as np
+from _path import harness
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -62,12 +63,8 @@ def _worker(rank, world, port, args, results):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     plain, audited = _replica(args.batch_size, False), _replica(args.batch_size, True)
     _round(plain, 5), _round(audited, 5)  # warm-up
-    times = {"plain": [], "audited": []}
-    for r in range(args.rounds):
-        order = [("plain", plain), ("audited", audited)][:: 1 if r % 2 == 0 else -1]
-        for name, replica in order:
-            dist.barrier()
-            times[name].append(_round(replica, args.steps))
+    runs = {"plain": lambda _: _round(plain, args.steps), "audited": lambda _: _round(audited, args.steps)}
+    times = harness.alternate(runs, args.rounds, swap=True, before=dist.barrier)  # both ranks start each run together
     if rank == 0:
         results.put((world, times))
     dist.destroy_process_group()
@@ -88,7 +85,7 @@ def main():
             port = s.getsockname()[1]
         mp.start_processes(_worker, args=(world, port, args, results), nprocs=world, start_method="spawn")
         w, times = results.get()
-        rows[w] = {k: float(np.median(v)) for k, v in times.items()}
+        rows[w] = harness.medians(times)
     print(f"steps/round={args.steps} rounds={args.rounds} batch/rank={args.batch_size} threads/process=1 canaries=auto")
     print("| processes | plain ms/step | audited ms/step | audited / plain |")
     print("| --- | --- | --- | --- |")

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from _path import harness
 
 
 def timed(args, out):
@@ -29,12 +29,13 @@ def main():
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    times = {"audit": [], "no audit": []}
     with tempfile.TemporaryDirectory() as out:
-        for _ in range(args.rounds):
-            times["no audit"].append(timed(["--steps", str(args.steps), "--no-audit"], str(Path(out) / "a")))
-            times["audit"].append(timed(["--steps", str(args.steps)], str(Path(out) / "b")))
-    base, audited = np.median(times["no audit"]), np.median(times["audit"])
+        times = harness.alternate({
+            "no audit": lambda _: timed(["--steps", str(args.steps), "--no-audit"], str(Path(out) / "a")),
+            "audit": lambda _: timed(["--steps", str(args.steps)], str(Path(out) / "b")),
+        }, args.rounds)
+    medians = harness.medians(times)
+    base, audited = medians["no audit"], medians["audit"]
     print(f"dpaudit demo --steps {args.steps}, {args.rounds} rounds alternating")
     print("| run | median seconds | ratio |")
     print("| --- | --- | --- |")

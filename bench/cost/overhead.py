@@ -41,7 +41,8 @@ import gc
 import time
 import warnings
 
-import numpy as np
+from _path import harness
+
 import torch
 
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
@@ -60,24 +61,14 @@ def count_full_passes(phase: str, info: dict) -> None:
         FULL_PASSES["count"] += 1
 
 
-def clocked(function, key: str, spent: dict = SPENT):
-    """`function`, its time added to spent[key] at each call."""
-    def run(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            spent[key] += time.perf_counter() - start
-    return run
-
-
 def timed_checks(auditor) -> None:
     """Adds the time the auditor's exact check takes (the check at a step, the ledger's additions) to SPENT, and the
     checks' per-step hooks (each batch, each step) to SPENT["run checks"]. The runner's accumulation hook (the rows
     counted, the ledger's additions at checked steps) is timed with the step it belongs to, not apart."""
     check, runner = auditor.per_sample_check, auditor.checks
-    check.check = clocked(check.check, "seconds")
-    runner.batch, runner.step = clocked(runner.batch, "run checks"), clocked(runner.step, "run checks")
+    harness.clock(check, "check", SPENT, "seconds")
+    harness.clock(runner, "batch", SPENT, "run checks")
+    harness.clock(runner, "step", SPENT, "run checks")
 
 
 # the audited step's parts: (owner, attribute, label); a part's time includes the parts it calls
@@ -103,7 +94,7 @@ def profiled(auditor) -> dict:
         if obj is None or not hasattr(obj, name):
             continue
         spent[label] = 0.0
-        setattr(obj, name, clocked(getattr(obj, name), label, spent))
+        harness.clock(obj, name, spent, label)
     return spent
 
 
@@ -151,22 +142,25 @@ def main():
     torch.set_num_threads(1)
     timed_training(steps=20, batch_size=args.batch_size, mode="one-run", canaries=args.canaries, canary=args.canary)  # warm-up
     SPENT["seconds"] = SPENT["run checks"] = 0.0
-    times = {None: [], **{m: [] for m in args.modes}}
-    passes = dict.fromkeys(times, 0)
+    passes = dict.fromkeys([None, *args.modes], 0)  # None: no auditor
+
+    def counted(mode):
+        FULL_PASSES["count"] = 0
+        seconds = timed_training(steps=args.steps, batch_size=args.batch_size, mode=mode, canaries=args.canaries,
+                                 canary=args.canary, settle=not args.no_settle)
+        passes[mode] += FULL_PASSES["count"]
+        return seconds
+
     gc.callbacks.append(count_full_passes)
-    for _ in range(args.rounds):
-        for mode in times:
-            FULL_PASSES["count"] = 0
-            times[mode].append(timed_training(steps=args.steps, batch_size=args.batch_size, mode=mode,
-                                              canaries=args.canaries, canary=args.canary, settle=not args.no_settle))
-            passes[mode] += FULL_PASSES["count"]
-    base = np.median(times[None])
+    times = harness.alternate({mode: (lambda _, m=mode: counted(m)) for mode in passes}, args.rounds)
+    medians = harness.medians(times)
+    base = medians[None]
     print(f"canary={args.canary} steps={args.steps} rounds={args.rounds} batch={args.batch_size} canaries/step={args.canaries} threads=1")
     print("| run | median seconds | ms/step | audit ms/step | ratio to no auditor | full collections in its runs |")
     print("| --- | --- | --- | --- | --- | --- |")
     print(f"| no auditor | {base:.2f} | {1000 * base / args.steps:.2f} | | 1.00 | {passes[None]} |")
     for mode in args.modes:
-        t = np.median(times[mode])
+        t = medians[mode]
         print(f"| {mode} | {t:.2f} | {1000 * t / args.steps:.2f} | {1000 * (t - base) / args.steps:.3f} | {t / base:.3f} "
               f"| {passes[mode]} |")
     print("(each timed run " + ("without" if args.no_settle else "after") + " a full garbage collection before it)")
@@ -174,7 +168,7 @@ def main():
         inside = SPENT["seconds"] / sum(times["one-run"])
         line = f"exact data-path checks (default interval): time inside them {inside:.2%} of the one-run timings"
         if "no-checks" in args.modes:
-            line += (f"; one-run / no-checks: {np.median(times['one-run']) / np.median(times['no-checks']):.3f} "
+            line += (f"; one-run / no-checks: {harness.median_ratio(times, 'no-checks', 'one-run'):.3f} "
                      f"(medians), {sum(times['one-run']) / sum(times['no-checks']):.3f} (sums)")
         print(line)
         print(f"run checks' per-step work (fingerprints, records, rows): {SPENT['run checks'] / sum(times['one-run']):.2%} "

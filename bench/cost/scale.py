@@ -146,11 +146,8 @@ def timing_cell(size, config, args):
     audited = build(size, config, args.canaries, args.model, args.mode)
     for run in (plain, audited):
         train(run, WARMUP)
-    times = {"plain": [], "audited": []}
-    for _ in range(args.rounds):
-        times["plain"].append(train(plain, args.steps))
-        times["audited"].append(train(audited, args.steps))
-    return times
+    runs = {"plain": lambda _: train(plain, args.steps), "audited": lambda _: train(audited, args.steps)}
+    return harness.alternate(runs, args.rounds)
 
 
 def in_fresh_process(kind, size, mode, config, args):

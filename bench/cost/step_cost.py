@@ -11,24 +11,13 @@ import collections
 import time
 import warnings
 
+from _path import harness
+
 import torch
 
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
 from lightning_dpaudit.engine.options import BATCHED_CHECK_EVERY
 from lightning_dpaudit.integrations.digits import make_private_digits, train_steps
-
-
-def timed(times, obj, name, label):
-    original = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            times[label] += time.perf_counter() - start
-
-    setattr(obj, name, wrapper)
 
 
 def main():
@@ -56,8 +45,8 @@ def main():
         (record.log, "append", "  of which: observation store"),
         (record.monitor, "advance", "  of which: monitor counts and tests"),
     ]:
-        timed(times, obj, name, label)
-    timed(times, optimizer, "add_noise", "whole audited add_noise")  # the pipeline's audited_step
+        harness.clock(obj, name, times, label)
+    harness.clock(optimizer, "add_noise", times, "whole audited add_noise")  # the pipeline's audited_step
     start = time.perf_counter()
     train_steps(model, optimizer, loader, args.steps)
     total = time.perf_counter() - start

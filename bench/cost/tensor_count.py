@@ -11,9 +11,10 @@ both alike; the audit's cost is audited minus plain, in ms per step.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
+
+from _path import harness
 
 import torch
 
@@ -67,11 +68,10 @@ def main():
     print("| linear layers | tensors | plain ms/step | audited ms/step | audit ms/step | ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
     for layers in args.layers:
-        times = {False: [], True: []}
-        for _ in range(args.rounds):
-            for audited in (False, True):
-                times[audited].append(ms_per_step(layers, audited, args.steps))
-        plain, audited = statistics.median(times[False]), statistics.median(times[True])
+        times = harness.alternate({audited: (lambda _, a=audited: ms_per_step(layers, a, args.steps))
+                                   for audited in (False, True)}, args.rounds)
+        medians = harness.medians(times)
+        plain, audited = medians[False], medians[True]
         print(f"| {layers} | {2 * layers} | {plain:.2f} | {audited:.2f} | {audited - plain:.2f} | {audited / plain:.3f}x |",
               flush=True)
 
