@@ -16,7 +16,6 @@ check interval, so it holds its share of checked steps).
 
 from __future__ import annotations
 
-import argparse
 import time
 import warnings
 
@@ -118,7 +117,7 @@ def timed(run, steps: int, start_step: int) -> float:
 def main() -> None:
     from lightning_dpaudit.engine.checks.exact.per_sample import DEFAULT_EVERY
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, full_doc=True)
     parser.add_argument("--configs", nargs="+", default=["digits64", "digits512", "transformer10M"])
     parser.add_argument("--steps", type=int, default=DEFAULT_EVERY)
     parser.add_argument("--rounds", type=int, default=10)
@@ -126,9 +125,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"| config | audit without the checks (s / {args.steps} steps) | with them, every {args.every} | ratio "
-          "(medians) | ratio (sums) | time inside the checks / B's time |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(harness.header("config", f"audit without the checks (s / {args.steps} steps)",
+                         f"with them, every {args.every}", "ratio (medians)", "ratio (sums)",
+                         "time inside the checks / B's time"))
     for config in args.configs:
         runs = {"A": build(config, 0), "B": build(config, args.every)}
         for run in runs.values():

@@ -9,7 +9,6 @@ same measurement on one process (world size 1) is printed beside it.
     .venv/bin/python bench/cost/ddp_overhead.py [--steps 50] [--rounds 6] [--batch-size 64]
 """
 
-import argparse
 import datetime
 import os
 import socket
@@ -71,10 +70,7 @@ def _worker(rank, world, port, args, results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser = harness.parser(__doc__, steps=50, rounds=6, batch_size=64)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -87,8 +83,7 @@ def main():
         w, times = results.get()
         rows[w] = harness.medians(times)
     print(f"steps/round={args.steps} rounds={args.rounds} batch/rank={args.batch_size} threads/process=1 canaries=auto")
-    print("| processes | plain ms/step | audited ms/step | audited / plain |")
-    print("| --- | --- | --- | --- |")
+    print(harness.header("processes", "plain ms/step", "audited ms/step", "audited / plain"))
     for w in (2, 1):
         p, a = rows[w]["plain"], rows[w]["audited"]
         print(f"| {w} | {1000 * p / args.steps:.2f} | {1000 * a / args.steps:.2f} | {a / p:.2f} |")

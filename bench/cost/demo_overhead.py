@@ -7,7 +7,6 @@ start-up, training, logging, report).
     .venv/bin/python bench/cost/demo_overhead.py [--steps 600] [--rounds 3]
 """
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -25,9 +24,7 @@ def timed(args, out):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, steps=600, rounds=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         times = harness.alternate({
@@ -37,8 +34,7 @@ def main():
     medians = harness.medians(times)
     base, audited = medians["no audit"], medians["audit"]
     print(f"dpaudit demo --steps {args.steps}, {args.rounds} rounds alternating")
-    print("| run | median seconds | ratio |")
-    print("| --- | --- | --- |")
+    print(harness.header("run", "median seconds", "ratio"))
     print(f"| --no-audit | {base:.1f} | 1.00 |")
     print(f"| audited (default) | {audited:.1f} | {audited / base:.2f} |")
 

@@ -6,8 +6,9 @@ Prints the median wall time of each method at a fixed threshold (sort once, coun
 searchsorted), and of the Bayesian methods from counts.
 """
 
-import argparse
 import time
+
+from _path import harness
 
 import numpy as np
 
@@ -24,14 +25,13 @@ def _median_seconds(fn, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--n", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     ins, outs = rng.normal(1, 1, args.n), rng.normal(0, 1, args.n)
-    print(f"| method | {args.n:,} observations per side (s) | from counts (s) |")
-    print("| --- | --- | --- |")
+    print(harness.header("method", f"{args.n:,} observations per side (s)", "from counts (s)"))
     for method in METHODS:
         delta = 0.0 if method == "katz" else 1e-5
         scores = _median_seconds(lambda: epsilon_lower_bound(ins, outs, delta=delta, method=method), args.repeats)

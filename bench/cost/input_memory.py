@@ -25,6 +25,8 @@ import sys
 import time
 import warnings
 
+from _path import harness
+
 MB = 2**20
 
 
@@ -75,8 +77,7 @@ def run(config, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser = harness.parser(__doc__, steps=5)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--canaries", type=int, default=32)
     parser.add_argument("--width", type=int, default=2048)
@@ -90,8 +91,7 @@ def main():
     params = rows["plain"]["params"]
     k = args.canaries
     print(f"MLP with {params:,} parameters, batch {args.batch}, {k} canaries per step ({args.mode}), {args.steps} steps")
-    print("| configuration | batch | peak RSS (MB) | above plain (MB) | seconds per step |")
-    print("| --- | --- | --- | --- | --- |")
+    print(harness.header("configuration", "batch", "peak RSS (MB)", "above plain (MB)", "seconds per step"))
     names = {"plain": "Opacus", "plain+k": f"Opacus, {k} more examples", "audited": f"Opacus + audit, {k} canaries"}
     for config, row in rows.items():
         extra = (row["peak"] - rows["plain"]["peak"]) / MB

@@ -20,10 +20,11 @@ accountant's epsilon may only be above (rounded up), the lower bound only below.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 import warnings
+
+from _path import harness
 
 import numpy as np
 
@@ -81,17 +82,16 @@ def run(kind: str, steps: int, every: int) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser = harness.parser(__doc__, steps=1000)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--accountants", default="rdp,gdp,prv")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     import opacus.accountants  # noqa: F401  (imports torch, ~2-7 s, already loaded in a training process)
     print(f"{args.steps} evaluations, steps 1..{args.steps}, sigma {SIGMA}, q {Q:.4f}, delta {DELTA}")
-    print("| accountant | cached median | cached amortized (CPU) | cached max | uncached median | uncached amortized "
-          "| accountant eps above exact | lower bound below exact | final eps (accountant, lower) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(harness.header("accountant", "cached median", "cached amortized (CPU)", "cached max", "uncached median",
+                         "uncached amortized", "accountant eps above exact", "lower bound below exact",
+                         "final eps (accountant, lower)"))
     for kind in args.accountants.split(","):
         r = run(kind, args.steps, args.every)
         (o_lo, o_hi), (u_lo, u_hi) = r["accountant_over"], r["lower_under"]

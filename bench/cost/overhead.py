@@ -36,7 +36,6 @@ the plain runs page-faulted memory the audited runs before them had given back. 
 says how many full passes fell inside each configuration's timed runs.
 """
 
-import argparse
 import gc
 import time
 import warnings
@@ -126,18 +125,13 @@ def timed_training(*, steps, batch_size, mode, canaries, canary="dirac", profile
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--canaries", default="auto", help="canaries per step (default: the auditor's)")
+    parser = harness.parser(__doc__, steps=300, rounds=5, batch_size=64, canaries="auto")
     parser.add_argument("--modes", nargs="+", default=["one-run", "paired"])
     parser.add_argument("--canary", default="dirac", help="canary kind (gradient or input)")
     parser.add_argument("--profile", action="store_true", help="then one audited run (the first mode) with its parts clocked")
     parser.add_argument("--no-settle", action="store_true",
                         help="no full garbage collection before each timed run (each run then inherits the others' garbage)")
     args = parser.parse_args()
-    args.canaries = args.canaries if args.canaries == "auto" else int(args.canaries)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     timed_training(steps=20, batch_size=args.batch_size, mode="one-run", canaries=args.canaries, canary=args.canary)  # warm-up
@@ -156,8 +150,8 @@ def main():
     medians = harness.medians(times)
     base = medians[None]
     print(f"canary={args.canary} steps={args.steps} rounds={args.rounds} batch={args.batch_size} canaries/step={args.canaries} threads=1")
-    print("| run | median seconds | ms/step | audit ms/step | ratio to no auditor | full collections in its runs |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(harness.header("run", "median seconds", "ms/step", "audit ms/step", "ratio to no auditor",
+                         "full collections in its runs"))
     print(f"| no auditor | {base:.2f} | {1000 * base / args.steps:.2f} | | 1.00 | {passes[None]} |")
     for mode in args.modes:
         t = medians[mode]
@@ -185,8 +179,7 @@ def profile_parts(args) -> None:
                            canary=args.canary, profile=profile)
     spent = profile["spent"]
     print(f"\nwhere the time of an audited run ({mode}, {1000 * total / args.steps:.2f} ms/step with the clocks) goes:")
-    print("| part | ms/step |")
-    print("| --- | --- |")
+    print(harness.header("part", "ms/step"))
     for label, seconds in spent.items():
         print(f"| {label} | {1000 * seconds / args.steps:.3f} |")
 

@@ -168,7 +168,7 @@ def fmt(value, spec, unit=""):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--model", default="mlp", choices=["mlp", "transformer"])
     parser.add_argument("--modes", nargs="+", default=None, choices=MODES,
                         help="Opacus grad_sample_mode(s) of the transformer (both by default; the MLP runs hooks)")
@@ -227,8 +227,8 @@ def main():
     label = (lambda mode, c: f"{mode} {c}") if transformer else (lambda mode, c: c)
     lines = [f"`bench/cost/scale.py {' '.join(sys.argv[1:])}`: model={args.model} steps={args.steps} rounds={args.rounds} "
              f"threads={args.threads} warm-up={WARMUP} dirac canaries/step={args.canaries or 'default'}",
-             "| parameters | batch | configuration | ms/step (median) | audited/plain time | peak RSS (MB) | extra peak vs plain (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             harness.header("parameters", "batch", "configuration", "ms/step (median)", "audited/plain time",
+                            "peak RSS (MB)", "extra peak vs plain (MB)")]
     extra, ratios = {}, {}
     for size, mode in rows:
         mem = {c: results[size, mode, "cell", c] for c in ["plain"] + audited}

@@ -6,9 +6,10 @@ callback checkpoints it, after each of the given step counts in one run.
     .venv/bin/python bench/cost/state_size.py [--steps 600 2400]
 """
 
-import argparse
 import io
 import warnings
+
+from _path import harness
 
 import torch
 
@@ -24,7 +25,7 @@ def saved_bytes(auditor) -> int:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--steps", type=int, nargs="+", default=[600, 2400])
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -32,8 +33,7 @@ def main():
     model, optimizer, loader, _ = make_private_digits(seed=0)
     auditor = PrivacyAuditor(optimizer, seed=0)
     print(f"canaries/step={auditor.per_step}")
-    print("| steps | saved state (MB) | of which noise fingerprints (kB) |")
-    print("| --- | --- | --- |")
+    print(harness.header("steps", "saved state (MB)", "of which noise fingerprints (kB)"))
     done = 0
     for target in sorted(args.steps):
         train_steps(model, optimizer, loader, target - done)

@@ -6,7 +6,6 @@ reported in ms per step next to the whole step.
     .venv/bin/python bench/cost/step_cost.py [--steps 300] [--batch-size 64] [--check-every 8]
 """
 
-import argparse
 import collections
 import time
 import warnings
@@ -21,9 +20,7 @@ from lightning_dpaudit.integrations.digits import make_private_digits, train_ste
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser = harness.parser(__doc__, steps=300, batch_size=64)
     parser.add_argument("--check-every", type=int, default=BATCHED_CHECK_EVERY)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -51,8 +48,7 @@ def main():
     train_steps(model, optimizer, loader, args.steps)
     total = time.perf_counter() - start
     print(f"canaries/step={auditor.per_step} batch={args.batch_size} steps={args.steps} check_every={args.check_every} threads=1")
-    print("| phase | ms/step |")
-    print("| --- | --- |")
+    print(harness.header("phase", "ms/step"))
     print(f"| whole training step | {1000 * total / args.steps:.3f} |")
     for label, seconds in times.items():
         print(f"| {label} | {1000 * seconds / args.steps:.3f} |")

@@ -10,7 +10,6 @@ both alike; the audit's cost is audited minus plain, in ms per step.
 
 from __future__ import annotations
 
-import argparse
 import time
 import warnings
 
@@ -58,15 +57,14 @@ def ms_per_step(layers: int, audited: bool, steps: int) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    print("| linear layers | tensors | plain ms/step | audited ms/step | audit ms/step | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(harness.header("linear layers", "tensors", "plain ms/step", "audited ms/step", "audit ms/step", "ratio"))
     for layers in args.layers:
         times = harness.alternate({audited: (lambda _, a=audited: ms_per_step(layers, a, args.steps))
                                    for audited in (False, True)}, args.rounds)

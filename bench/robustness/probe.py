@@ -19,7 +19,6 @@ every 25 cases, then the table and the totals per class.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import multiprocessing as mp
@@ -1831,7 +1830,7 @@ def run_case(context, name) -> Tuple[str, str, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--only", default=None, help="run the cases whose name contains this")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--verbose", action="store_true", help="also print each case's line as it ends")

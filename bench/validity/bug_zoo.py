@@ -7,8 +7,9 @@ where training stops ("raised at").
     .venv/bin/python bench/validity/bug_zoo.py [--steps 1000] [--seed 0] [--canary dirac] [--canaries auto] [--bugs NAME ...]
 """
 
-import argparse
 import warnings
+
+from _path import harness
 
 from lightning_dpaudit.bugs import BUGS
 from lightning_dpaudit.testing import train_audited
@@ -17,18 +18,15 @@ SIGMA = {"wrong-noise": 3.0}  # Violation 3 of Tight Auditing: claims 3.0, appli
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = harness.parser(__doc__, steps=1000, seed=0)
     parser.add_argument("--canary", default="dirac", help="canary kind (gradient or input)")
-    parser.add_argument("--canaries", default="auto", help="canaries per step (default: the auditor's)")
+    harness.flags(parser, canaries="auto")
     parser.add_argument("--bugs", nargs="+", choices=list(BUGS), default=None,
                         help="only these bugs, without the correct run (default: the correct run and every bug)")
     args = parser.parse_args()
-    args.canaries = args.canaries if args.canaries == "auto" else int(args.canaries)
     warnings.filterwarnings("ignore")
-    print("| bug | claimed sigma | first alarm (step) | raised at | violating | mu anytime / claimed |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(harness.header("bug", "claimed sigma", "first alarm (step)", "raised at", "violating",
+                         "mu anytime / claimed"))
     for bug in args.bugs or [None, *BUGS]:
         from lightning_dpaudit.bugs import inject_bug
 

@@ -8,7 +8,6 @@ bound of audit_report.json and the 1-minute load average before and after the ru
     .venv/bin/python bench/validity/demo_canaries.py [--kinds crafted blank ...] [--threads N]
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -16,6 +15,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _path import harness
 
 KINDS = ["dirac", "constant", "random", "mislabeled", "blank", "adversarial", "crafted"]
 
@@ -34,12 +35,12 @@ def run(kind, out, threads):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
     parser.add_argument("--threads", type=int, default=None, help="the demo's --threads (default: torch's choice)")
     args = parser.parse_args()
-    print("| canary | chosen | seconds | eps lower bound | eps accountant | n in / out | load before / after |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(harness.header("canary", "chosen", "seconds", "eps lower bound", "eps accountant", "n in / out",
+                         "load before / after"))
     for kind in args.kinds:
         with tempfile.TemporaryDirectory() as out:
             chosen, seconds, r, before, after = run(kind, out, args.threads)

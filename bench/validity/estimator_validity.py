@@ -43,11 +43,12 @@ one_run_bounds themselves and must agree.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
 from types import SimpleNamespace
+
+from _path import harness
 
 import numpy as np
 from scipy.stats import binom, norm
@@ -276,8 +277,7 @@ def exact_rate(n, fnr, fpr, truth, method, delta=DELTA):
 def exact_table(progress):
     """Rates of epsdelta-bayes on randomized response at epsilon 0.5-4 and of gdp-bayes on
     mu-GDP data (threshold mu/2) at mu 0.5-4, n a side: where error counts are small."""
-    lines = ["| method | data | " + " | ".join(f"n = {n}" for n in EXACT_N) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in EXACT_N) + " |"]
+    lines = [harness.header("method", "data", *(f"n = {n}" for n in EXACT_N))]
     for method in ("epsdelta-bayes", "gdp-bayes"):
         for value in EXACT_PARAMETERS:
             progress.step(f"{method} exact, {value:g}")
@@ -304,10 +304,8 @@ def verdict(over, trials, met):
 
 
 def markdown(rows):
-    lines = [
-        "| estimator | data | size | truth (epsilon) | trials above truth | rate | upper 95% | budget | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    lines = [harness.header("estimator", "data", "size", "truth (epsilon)", "trials above truth", "rate", "upper 95%",
+                            "budget", "verdict")]
     for estimator, kind, size, label, over, n, met in rows:
         upper = float(clopper_pearson_upper(over, n, 0.95))
         lines.append(f"| {estimator} | {kind} | {size} | {label} | {over:,} / {n:,} | {over / n:.4f} | {upper:.4f} | "
@@ -316,7 +314,7 @@ def markdown(rows):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--trials", type=int, default=10_000)
     parser.add_argument("--check", type=int, default=20, help="trials per row recomputed by the estimators themselves")
     parser.add_argument("--canaries", type=int, default=CANARIES)

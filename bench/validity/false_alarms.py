@@ -46,7 +46,6 @@ Modes (the naive rule is replayed for `hooks` only):
               (tests/ddp_scenarios.py's false_alarms, setup "fsdp")
 """
 
-import argparse
 import time
 from multiprocessing import Pool
 
@@ -277,7 +276,7 @@ def _print_pipeline(found: list, runs: int, status) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--sigma", type=float, default=1.0)

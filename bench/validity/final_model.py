@@ -34,12 +34,13 @@ Tables go to stdout (markdown); the rows go to --out (default: final_model_<part
 next to this file); --from-json PATH prints the tables of saved rows again.
 """
 
-import argparse
 import json
 import math
 import time
 import warnings
 from pathlib import Path
+
+from _path import harness
 
 import numpy as np
 import torch
@@ -235,11 +236,6 @@ def spread(values, digits=2) -> str:
     return f"{fmt(float(np.mean(values)), digits)} ({fmt(min(values), digits)}-{fmt(max(values), digits)})"
 
 
-def header(*names) -> None:
-    print("| " + " | ".join(names) + " |")
-    print("|" + " --- |" * len(names))
-
-
 KINDS_PLAN = [(None, 0, dict(sigma=0.0))] + [(k, m, {}) for k, ms in KINDS.items() for m in ms]
 
 
@@ -264,7 +260,7 @@ def table_kinds(rows) -> None:
     s = KINDS_SETTINGS
     print(f"\nDigits CNN, batch {s['batch']}, {s['epochs']} epochs, lr {s['lr']}, accountant epsilon "
           f"{s['target_epsilon']:g}; mean (min-max) over seeds {seeds}\n")
-    header("canaries", "m", "sigma", "test accuracy", *BOUND_NAMES, "white-box", "accountant eps")
+    print(harness.header("canaries", "m", "sigma", "test accuracy", *BOUND_NAMES, "white-box", "accountant eps"))
     for kind, count, extra in KINDS_PLAN:
         group = [r for r in rows
                  if r["kind"] == kind and r["count"] == count and (r["sigma"] == 0) == ("sigma" in extra)]
@@ -298,7 +294,8 @@ def table_bugs(rows) -> None:
     s, seeds = BUGS_SETTINGS, sorted({r["seed"] for r in rows})
     print(f"\n{s['count']} {s['kind']} canaries, batch {s['batch']}, {s['epochs']} epochs, lr {s['lr']}, claimed "
           f"(accountant) epsilon {s['target_epsilon']:g}; mean (min-max) over seeds {seeds}\n")
-    header("model", "optimizer", "claim", *BOUND_NAMES, "runs steinke union > claim", "white-box", "test accuracy")
+    print(harness.header("model", "optimizer", "claim", *BOUND_NAMES, "runs steinke union > claim", "white-box",
+                         "test accuracy"))
     for model_name in dict.fromkeys(r["model"] for r in rows):
         for bug in BUG_ROWS:
             group = [r for r in rows if r["model"] == model_name and r["bug"] == bug]
@@ -327,7 +324,8 @@ def table_validity(rows) -> None:
     seeds = sorted({r["seed"] for r in rows})
     print(f"\nLinear model, {run_linear.__kwdefaults__['count']} canaries on their own coordinates; correct runs, "
           f"seeds {seeds[0]}-{seeds[-1]} in each setting\n")
-    header("setting", "claim", "bound", "runs > claim", "runs > 0", "bound / claim: mean", "median", "95th pct", "max")
+    print(harness.header("setting", "claim", "bound", "runs > claim", "runs > 0", "bound / claim: mean", "median",
+                         "95th pct", "max"))
     for label in dict.fromkeys(r["setting"] for r in rows):
         group = [r for r in rows if r["setting"] == label]
         claim = float(np.mean([r["accountant_epsilon"] for r in group]))
@@ -345,7 +343,7 @@ PARTS = {"kinds": (run_kinds, table_kinds), "bugs": (run_bugs, table_bugs), "val
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--part", choices=list(PARTS), required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="kinds, bugs: seeds per row")
     parser.add_argument("--models", nargs="+", default=["cnn", "mlp512"], help="bugs: cnn, mlpWIDTH")

@@ -7,7 +7,6 @@ the token classifier of tests/ghost_setups.py (Embedding, two Linear layers, Lay
     .venv/bin/python bench/validity/ghost_bug_zoo.py [--mode single|ddp|fsdp|all] [--steps 200]
 """
 
-import argparse
 import tempfile
 from pathlib import Path
 
@@ -47,7 +46,7 @@ def distributed(mode, names, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--mode", default="all", choices=["single", "ddp", "fsdp", "all"])
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
@@ -57,8 +56,7 @@ def main():
         names = NAMES + (["noise-on-other-rank"] if mode == "ddp" else [])
         table[mode] = single(names, args.steps) if mode == "single" else distributed(mode, names, args.steps)
     print(f"first alarm (step) and findings, {args.steps} steps at most")
-    print("| bug | " + " | ".join(modes) + " |")
-    print("| --- | " + " | ".join("---" for _ in modes) + " |")
+    print(harness.header("bug", *modes))
     for name in dict.fromkeys(n for mode in modes for n in table[mode]):
         cells = []
         for mode in modes:
@@ -67,7 +65,7 @@ def main():
                 continue
             step, findings = table[mode][name]
             cells.append(f"{'quiet' if step is None else step}{' · ' + ', '.join(findings) if findings else ''}")
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        print(harness.row(name, *cells))
 
 
 if __name__ == "__main__":

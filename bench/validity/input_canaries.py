@@ -8,9 +8,10 @@ run; "window" rows observe only the first `--window` steps (paper 003, App. D.1)
     .venv/bin/python bench/validity/input_canaries.py [--steps 1000] [--canaries 32] [--window 250]
 """
 
-import argparse
 import time
 import warnings
+
+from _path import harness
 
 from opacus.accountants.utils import get_noise_multiplier
 
@@ -21,8 +22,7 @@ SAMPLE_RATE = 1 / 25  # 1,541 training digits at batch 64: Opacus's Poisson rate
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser = harness.parser(__doc__, steps=1000)
     parser.add_argument("--canaries", type=int, default=32, help="canaries per step")
     parser.add_argument("--targets", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     parser.add_argument("--kinds", nargs="+", default=["crafted", "mislabeled", "adversarial", "blank", "dirac"])
@@ -31,8 +31,8 @@ def main():
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(f"steps={args.steps} canaries/step={args.canaries} holdout={HOLDOUT} delta=1e-5 confidence=0.95 gdp-cp")
-    print("| target eps | sigma | canary | observed steps | eps accountant | eps lower bound | ratio | mu lower / claimed | n in | n out | seconds |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(harness.header("target eps", "sigma", "canary", "observed steps", "eps accountant", "eps lower bound",
+                         "ratio", "mu lower / claimed", "n in", "n out", "seconds"))
     windows = [None] + ([args.window] if args.window else [])
     for target in args.targets:
         sigma = get_noise_multiplier(

@@ -19,8 +19,9 @@ measures
     OMP_NUM_THREADS=1 .venv/bin/python bench/validity/noise_freshness.py --targets --runs 0
 """
 
-import argparse
 import time
+
+from _path import harness
 
 import numpy as np
 
@@ -90,8 +91,7 @@ def targets(seed: int) -> None:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    print("| bug | options | target | first alarm (step) | violating | finding |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(harness.header("bug", "options", "target", "first alarm (step)", "violating", "finding"))
     for bug, options, within in TARGETS:
         r = train_audited(steps=within or 1000, seed=seed, stop_on_violation=True,
                           transform=(lambda opt, b=bug, o=options: inject_bug(opt, b, **o)) if bug else None)
@@ -104,7 +104,7 @@ def targets(seed: int) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--lags", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--steps", type=int, default=5000, help="steps timed per L")
     parser.add_argument("--runs", type=int, default=20_000, help="simulated correct runs (0: none)")
@@ -119,8 +119,7 @@ def main():
         args.lags = []
     print(f"sentinels={SENTINELS} default L={LAGS} correlation alpha={ALPHA:g} fingerprint alpha={REPEAT_ALPHA:g}")
     if args.lags:
-        print("| L | correlation test (us/step) | both tests (us/step) | window memory (bytes) |")
-        print("| --- | --- | --- | --- |")
+        print(harness.header("L", "correlation test (us/step)", "both tests (us/step)", "window memory (bytes)"))
     for lags in args.lags:
         alone = min(per_step_us(lags, args.steps, rng, both=False) for _ in range(3))
         both = min(per_step_us(lags, args.steps, rng, both=True) for _ in range(3))

@@ -10,10 +10,11 @@ observation array and the result's numbers, findings and statuses. Run it on two
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import warnings
+
+from _path import harness
 
 import numpy as np
 
@@ -67,9 +68,7 @@ def digest(config: str, seed: int, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser = harness.parser(__doc__, steps=25, seeds=[0, 1])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -21,7 +21,6 @@ the audit reports any of them.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
@@ -29,6 +28,8 @@ import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from _path import harness
 
 import numpy as np
 import torch
@@ -765,7 +766,7 @@ def flagged(s: Scenario) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--only", default="", help="run only these scenarios (comma-separated names; a Lightning "
                                                    "scenario as lightning/NAME, or NAME for every setting)")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per scenario unless flagged earlier")

@@ -11,11 +11,12 @@ bound beside the accountant's.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import time
 import warnings
+
+from _path import harness
 
 import torch
 from torch import nn
@@ -111,14 +112,13 @@ def run(bug: str, C: float, steps: int, patched: bool, ghost_mode: bool):
 def main() -> None:
     from lightning_dpaudit.integrations.opacus_history import HISTORICAL_BUGS
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150)
+    parser = harness.parser(__doc__, full_doc=True, steps=150)
     parser.add_argument("--bugs", default=",".join(HISTORICAL_BUGS))
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print("| bug | shipped in | fixed in | mode | C | Opacus | first alarm | findings | notes | eps bound / accountant |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(harness.header("bug", "shipped in", "fixed in", "mode", "C", "Opacus", "first alarm", "findings", "notes",
+                         "eps bound / accountant"))
     for name in args.bugs.split(","):
         entry = HISTORICAL_BUGS[name]
         modes = [m for m in ("ghost", "hooks") if m in entry.modes] or ["hooks"]

@@ -13,7 +13,6 @@ compared, the findings and the verdict. Where Opacus fails, the row names Opacus
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from _path import harness
@@ -44,8 +43,7 @@ def row(name: str, mode: str, steps: int, audit: dict) -> tuple:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser = harness.parser(__doc__, steps=20)
     parser.add_argument("--every", type=int, default=None, help="the exact checks' cadence (default: the audit's)")
     parser.add_argument("--only", default="", help="families, comma-separated")
     args = parser.parse_args()
@@ -55,13 +53,13 @@ def main() -> None:
     audit = {} if args.every is None else {"per_sample_check_every": args.every, "per_sample_check_budget": 1.0}
     start, counts = time.perf_counter(), {}
     print(f"steps={args.steps} exact checks every {args.every or 'default'}; sigma 1, C 1, batch 16 (Poisson)\n")
-    print("| family | mode | plain Opacus | audited model vs plain | steps compared | findings | verdict |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(harness.header("family", "mode", "plain Opacus", "audited model vs plain", "steps compared", "findings",
+                         "verdict"))
     for name in names:
         for mode in MODES:
             cells, outcome = row(name, mode, args.steps, audit)
             counts[outcome] = counts.get(outcome, 0) + 1
-            print("| " + " | ".join(cells) + " |", flush=True)
+            print(harness.row(*cells), flush=True)
     total = sum(counts.values())
     print(f"\n{total} set-ups: {counts.get('quiet', 0)} quiet, {counts.get('alarm', 0)} with findings, "
           f"{counts.get('failed', 0)} audit failures or changed models, {counts.get('opacus', 0)} where Opacus itself "

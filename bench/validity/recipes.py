@@ -18,7 +18,6 @@ Exits with status 1 when a recipe fails, 0 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import warnings
@@ -86,7 +85,7 @@ def table(rows) -> str:
     for recipe, tally in rows:
         cells = (recipe.name, f"{tally.quiet} / {tally.runs}", f"{tally.flagged} / {tally.runs}",
                  ", ".join(tally.codes) or "none", f"{tally.seconds:.0f}", status(recipe, tally))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(harness.row(*cells))
     return "\n".join(lines)
 
 
@@ -105,7 +104,7 @@ def details(rows) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES), metavar="NAME",
                         help=f"recipes to run (default all: {', '.join(RECIPES)})")
     parser.add_argument("--runs", type=int, default=20, help="seeds per recipe (default 20)")

@@ -7,8 +7,9 @@ accountant's epsilon; the first row is the same run with sigma and C fixed.
     .venv/bin/python bench/validity/schedules.py [--steps 1000] [--seed 0]
 """
 
-import argparse
 import time
+
+from _path import harness
 
 import torch
 from opacus import schedulers
@@ -45,13 +46,10 @@ def run(schedule, steps: int, seed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = harness.parser(__doc__, steps=1000, seed=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| schedule | segments | alarm | sigma at the end | eps lower / accountant | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(harness.header("schedule", "segments", "alarm", "sigma at the end", "eps lower / accountant", "ratio"))
     for name, schedule in SCHEDULES.items():
         r = run(schedule, args.steps, args.seed)
         alarm = "none" if r["alarm"] is None else f"step {r['alarm']}"

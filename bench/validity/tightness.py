@@ -7,9 +7,10 @@ and target; the table gives each seed's ratio and their median.
     .venv/bin/python bench/validity/tightness.py [--steps 1000] [--canaries auto] [--seeds 0 1 2 3 4] [--estimators gdp-cp]
 """
 
-import argparse
 import statistics
 import time
+
+from _path import harness
 
 from opacus.accountants.utils import get_noise_multiplier
 
@@ -19,18 +20,15 @@ SAMPLE_RATE = 1 / 29  # make_private_digits: 1,797 examples, batch 64 -> 29 batc
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--canaries", default="auto", help="canaries per step (default: the auditor's)")
+    parser = harness.parser(__doc__, steps=1000, canaries="auto")
     parser.add_argument("--targets", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
     parser.add_argument("--estimators", nargs="+", default=["gdp-cp", "gdp-bayes"])
     parser.add_argument("--mode", default="one-run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = parser.parse_args()
-    canaries = args.canaries if args.canaries == "auto" else int(args.canaries)
     print(f"steps={args.steps} canaries/step={args.canaries} mode={args.mode} seeds={args.seeds} delta=1e-5 confidence=0.95")
-    print("| target eps | sigma | estimator | eps accountant | eps lower bound | ratio | mu lower / claimed | n in = n out | seconds |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(harness.header("target eps", "sigma", "estimator", "eps accountant", "eps lower bound", "ratio",
+                         "mu lower / claimed", "n in = n out", "seconds"))
     medians = []
     for target in args.targets:
         sigma = get_noise_multiplier(
@@ -41,7 +39,7 @@ def main():
             for seed in args.seeds:
                 start = time.perf_counter()
                 r = train_audited(
-                    steps=args.steps, noise_multiplier=sigma, canaries_per_step=canaries,
+                    steps=args.steps, noise_multiplier=sigma, canaries_per_step=args.canaries,
                     estimator=estimator, seed=seed, mode=args.mode,
                 )
                 seconds = time.perf_counter() - start
@@ -52,8 +50,7 @@ def main():
                     flush=True,
                 )
             medians.append((target, estimator, statistics.median(ratios), min(ratios)))
-    print("\n| target eps | estimator | median ratio | lowest ratio |")
-    print("| --- | --- | --- | --- |")
+    print("\n" + harness.header("target eps", "estimator", "median ratio", "lowest ratio"))
     for target, estimator, median, lowest in medians:
         print(f"| {target:g} | {estimator} | {median:.3f} | {lowest:.3f} |")
 
