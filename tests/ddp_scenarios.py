@@ -1,5 +1,5 @@
 """Two-process (gloo, 127.0.0.1) audits of Opacus's DistributedDPOptimizer, run by test_distributed.py
-(and bench/false_alarms.py's correct runs under DDP and FSDP).
+(and bench/validity/false_alarms.py's correct runs under DDP and FSDP).
 
 `launch(scenario, ...)` starts one process per rank running this file and returns each
 rank's JSON answer; a rank that hangs or dies fails the launch within `timeout` seconds.
@@ -219,7 +219,7 @@ class _Stop(Exception):
 
 
 def false_alarms(rank, world, options):
-    """Correct audited runs one after another (bench/false_alarms.py --mode ddp or fsdp): per run, whether the
+    """Correct audited runs one after another (bench/validity/false_alarms.py --mode ddp or fsdp): per run, whether the
     alarm ever fired and which findings or failures were recorded.
 
     setup "ddp" (default): the MLP under DPDDP and its DistributedDPOptimizer, the exact checks at every due step;
@@ -265,7 +265,7 @@ def _fsdp_private(rank, world, *, noise_seed: int, noise_multiplier: float):
 
 
 def run_outcome(auditor) -> dict:
-    """A finished run's outcome for bench/false_alarms.py (the auditor detached): whether the alarm ever fired,
+    """A finished run's outcome for bench/validity/false_alarms.py (the auditor detached): whether the alarm ever fired,
     the findings' codes, the run checks' findings (code, message, step) and status line, the audit's own failure."""
     from lightning_dpaudit.analysis.results import PIPELINE_CODES
 

@@ -2,7 +2,7 @@
 
 Each family gives a model, a dataset (a TensorDataset of inputs and targets) and the training step's loss as
 users write it (Hugging Face models called the way their docs show, the loss read from the output object, a
-tuple or a dict). Used by tests/test_real_models.py and bench/real_models.py.
+tuple or a dict). Used by tests/test_real_models.py and bench/validity/real_models.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Practitioner DP-SGD recipes, each a correct run and a buggy twin, audited as the guides show.
 
-One definition of each recipe, used by tests/test_recipes.py (one seed, a few steps) and bench/recipes.py (many
+One definition of each recipe, used by tests/test_recipes.py (one seed, a few steps) and bench/validity/recipes.py (many
 seeds, long runs); both put tests/ on the import path. Digits recipes use the bundled digits
 (lightning_dpaudit.datasets); the others synthetic tokens or a tiny Hugging Face model built from a config (nothing
 is downloaded). sigma 1, C 1 throughout.

@@ -99,8 +99,8 @@ def bugs(rank, world, options):
 
 
 def false_alarms(rank, world, options):
-    """Correct audited FSDP runs one after another (bench/false_alarms.py --mode fsdp): per run, whether the alarm
-    ever fired and which findings or failures were recorded."""
+    """Correct audited FSDP runs one after another (bench/validity/false_alarms.py --mode fsdp): per run, whether the
+    alarm ever fired and which findings or failures were recorded."""
     from ghost_setups import train_ghost
     from lightning_dpaudit import PrivacyAuditor
 

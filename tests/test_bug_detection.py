@@ -40,7 +40,7 @@ def test_layer_confined_bug_names_the_layer():
 @pytest.mark.parametrize("seed", range(8))
 def test_correct_opacus_raises_no_alarm(seed):
     # With the alarm's 5% budget a correct run fails with probability <= 5% per seed;
-    # bench/false_alarms.py measures the rate over 200 runs.
+    # bench/validity/false_alarms.py measures the rate over 200 runs.
     audit_optimizer(steps=300, seed=seed, noise_multiplier=1.0)
 
 
@@ -64,7 +64,7 @@ def test_reseeded_noise_is_flagged_at_the_first_replayed_step(bug, options, firs
 
 
 # Noise that keeps every step's size but is not fresh. Seeded runs (deterministic); the
-# steps below are several times the steps these runs take (5, 12, 307: bench/freshness.py).
+# steps below are several times the steps these runs take (5, 12, 307: bench/validity/noise_freshness.py).
 @pytest.mark.parametrize("options,within", [
     ({"correlation": 0.8}, 50),  # lag 1
     ({"correlation": 0.3}, 500),  # lag 1

@@ -1,5 +1,5 @@
 """The estimators certify themselves: on data with a known truth, a bound at confidence 0.95
-exceeds the truth in at most about 5% of trials (bench/estimator_validity.py measures the
+exceeds the truth in at most about 5% of trials (bench/validity/estimator_validity.py measures the
 same with 10^4 trials per row; docs/estimators.md has the table).
 
 Seeds are fixed, so each test is deterministic; the false-failure rate stated in a

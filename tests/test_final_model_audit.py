@@ -13,7 +13,7 @@ so a correct run exceeds the accountant's epsilon with probability <= 0.05 per b
 
 - test_correct_runs_stay_within_the_claim allows 2 of 8 runs over the claim per bound,
   P[Bin(8, 0.05) > 2] = 0.0058 for each of the four bounds (<= 0.023 for any of them).
-  Measured (bench/final_model.py --part validity, 50 runs at this setting): at most
+  Measured (bench/validity/final_model.py --part validity, 50 runs at this setting): at most
   0.65 of the claim, none above it. An overconfident guess selection (every rule tested
   at 50% confidence, no union correction) puts the "fdp" union bound above the claim in
   4 of these 8 runs, and the test fails.

@@ -30,7 +30,7 @@ def _monitor():
 def test_anytime_alarm_holds_its_rate_where_naive_repeated_checks_do_not():
     # 100 correct runs. The anytime monitor may alarm in at most 5% of runs; 100 runs with
     # a true rate of 5% exceed 10 alarms with probability 1.1%, and the measured rate
-    # (bench/false_alarms.py) is far below 5%. The naive check (fixed-sample 95%
+    # (bench/validity/false_alarms.py) is far below 5%. The naive check (fixed-sample 95%
     # Clopper-Pearson bounds for the pool and each tensor, recomputed every step)
     # alarms in far more than 5% of the same runs.
     rng = np.random.default_rng(2024)

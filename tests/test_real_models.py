@@ -8,7 +8,7 @@ taken out), the audit does not fail, its exact check compared step 1 and it find
 ConvNeXt, where Opacus 1.6's own per-sample gradients are wrong (confirmed here against autograd independently of the
 audit), and the audit says so. Where Opacus fails, the audited run fails with the same error, and an error inside
 Opacus's step is named in one line as Opacus's (`opacus_error`), with no privacy finding. Deterministic: fixed
-seeds, no false-failure rate. bench/real_models.py prints the table."""
+seeds, no false-failure rate. bench/validity/real_models.py prints the table."""
 
 from __future__ import annotations
 

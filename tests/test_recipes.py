@@ -1,6 +1,6 @@
 """Practitioner recipes (tests/recipes.py), one seed each: the correct recipe is quiet with every check having
-compared something, its buggy twin is flagged with the finding the recipe expects. bench/recipes.py runs the same
-recipes over many seeds and long runs.
+compared something, its buggy twin is flagged with the finding the recipe expects. bench/validity/recipes.py runs the
+same recipes over many seeds and long runs.
 
 Deterministic (seed 0, one torch thread); the canaries' alarm has a 5% false-alarm budget per correct run, met or
 not by these fixed seeds once and for all.

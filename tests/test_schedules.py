@@ -3,7 +3,7 @@
 Every run is a seeded digits-CNN training (29 steps an epoch, the scheduler stepped after
 each epoch), so each outcome here is deterministic. For a fresh seed, a correct run raises
 an alarm with probability <= 5% (the audit's confidence), and the tightness ratios move
-by about 0.01 between seeds (bench/false_alarms.py measures the rate).
+by about 0.01 between seeds (bench/validity/false_alarms.py measures the rate).
 """
 
 import math
