@@ -18,7 +18,7 @@ Every method splits 1 - confidence evenly over two one-sided statements: the CP 
 on FPR and FNR, Katz's two likelihood ratios, epsdelta-bayes' two terms of Eq. 9 (each its
 (1 - confidence)/2 posterior quantile), gdp-bayes' central credible interval of mu. So
 each bound exceeds the truth in at most about 1 - confidence of trials (measured:
-bench/estimator_validity.py, docs/estimators.md).
+bench/validity/estimator_validity.py, docs/estimators.md).
 
 Null rule of the Bayesian methods: the bound is 0 unless the central credible interval at
 `confidence` of the separation 1 - FPR - FNR excludes 0, i.e. unless the posterior puts
@@ -257,7 +257,7 @@ def bound_exceeds(
     parameter, so a Bayesian bound is above a value exactly when the mass there is below the
     tail (one or two masses per distinct count tuple); the CP and Katz bounds are computed in
     one vectorized pass. For validity runs over many simulated trials
-    (bench/estimator_validity.py). A gdp-bayes claim beyond mu = 200 is tested at mu = 200.
+    (bench/validity/estimator_validity.py). A gdp-bayes claim beyond mu = 200 is tested at mu = 200.
     """
     epsilon = check_nonnegative(epsilon, "epsilon")
     confidence = check_confidence(confidence)

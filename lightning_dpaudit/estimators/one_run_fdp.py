@@ -24,7 +24,7 @@ than (epsilon, delta)-DP alone: a run can reject it and still be (epsilon, delta
 It is the right comparison for DP-SGD, whose Gaussian noise the curve describes; the
 (epsilon, delta) bound of one_run.py makes no such assumption. For a mechanism whose
 trade-off curve is not Gaussian the bound is no lower bound on its epsilon: randomized
-response at epsilon 2 gives bounds above 2 in 98-100% of trials (bench/estimator_validity.py),
+response at epsilon 2 gives bounds above 2 in 98-100% of trials (bench/validity/estimator_validity.py),
 so wherever it is shown it is labelled as assuming a Gaussian trade-off curve.
 """
 

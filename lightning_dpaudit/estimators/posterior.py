@@ -29,7 +29,7 @@ from Jeffreys toward the Clopper-Pearson upper limits (Beta(k + 1, n - k)). Jeff
 upper quantiles are too low when an error count is 0 or 1, and such counts are common for
 a strong attack: with them the bounds exceeded the truth in up to 10.5% of trials at 95%
 (randomized response at epsilon 3, 60 observations a side); with the lean, at most 4.4%
-in the settings of bench/estimator_validity.py (docs/estimators.md). Half a count changes a
+in the settings of bench/validity/estimator_validity.py (docs/estimators.md). Half a count changes a
 bound from a thousand observations a side by 0.002-0.01.
 
 (epsilon, delta). For an attack better than chance the region R(epsilon, delta) (Eq. 8) is
