@@ -32,13 +32,13 @@ def main():
     torch.set_num_threads(1)
     model, optimizer, loader, _ = make_private_digits(seed=0)
     auditor = PrivacyAuditor(optimizer, seed=0)
-    print(f"canaries/step={auditor.per_step}")
+    print(f"canaries/step={auditor.options.canaries_per_step}")
     print(harness.header("steps", "saved state (MB)", "of which noise fingerprints (kB)"))
     done = 0
     for target in sorted(args.steps):
         train_steps(model, optimizer, loader, target - done)
         done = target
-        fingerprints = auditor.fingerprints.state_dict()["fingerprints"].nbytes
+        fingerprints = auditor.recorded().fingerprints.state_dict()["fingerprints"].nbytes
         print(f"| {done} | {saved_bytes(auditor) / 2**20:.2f} | {fingerprints / 1024:.1f} |", flush=True)
 
 

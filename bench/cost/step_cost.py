@@ -30,9 +30,9 @@ def main():
     auditor = PrivacyAuditor(optimizer, seed=0, check_every=args.check_every)
     record = auditor.record
     for obj, name, label in [
-        (auditor.sampler, "next_step", "plant: draw canaries"),
-        (auditor.probe, "canary_rows", "plant: build compressed rows"),
-        (auditor.probe, "clip", "release: optimizer's clipping of the canary rows"),
+        (auditor.kind.sampler, "next_step", "plant: draw canaries"),
+        (auditor.kind.probe, "canary_rows", "plant: build compressed rows"),
+        (auditor.kind.probe, "clip", "release: optimizer's clipping of the canary rows"),
         (auditor.path, "add_noise", "release: add_noise (the step's own)"),
         (auditor.path, "view", "read: gather the release at the pool"),
         (auditor.kind, "read", "read: project the canaries"),
@@ -47,7 +47,7 @@ def main():
     start = time.perf_counter()
     train_steps(model, optimizer, loader, args.steps)
     total = time.perf_counter() - start
-    print(f"canaries/step={auditor.per_step} batch={args.batch_size} steps={args.steps} check_every={args.check_every} threads=1")
+    print(f"canaries/step={auditor.options.canaries_per_step} batch={args.batch_size} steps={args.steps} check_every={args.check_every} threads=1")
     print(harness.header("phase", "ms/step"))
     print(f"| whole training step | {1000 * total / args.steps:.3f} |")
     for label, seconds in times.items():

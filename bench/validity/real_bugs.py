@@ -105,7 +105,7 @@ def run(bug: str, C: float, steps: int, patched: bool, ghost_mode: bool):
                         break
         result = auditor.result()
     codes = sorted({f.code for f in result.findings})
-    notes = [code for code, _ in auditor.notes]
+    notes = [code for code, _ in auditor.checks.notes()]
     return result, codes, notes
 
 

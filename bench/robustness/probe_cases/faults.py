@@ -15,7 +15,7 @@ def fault_cases():
         ("kind.finish_step", lambda a: (a.kind, "finish_step")),
         ("record.add", lambda a: (a.record, _first_attr(a.record, ("add", "observe", "add_step", "record")))),
         ("path.release", lambda a: (a.path, _first_attr(a.path, ("release", "add_noise", "noised", "step")))),
-        ("probe.pool", lambda a: (a.probe, _first_attr(a.probe, ("rows", "canary_rows", "gather", "pool_rows")))),
+        ("probe.pool", lambda a: (a.kind.probe, _first_attr(a.kind.probe, ("rows", "canary_rows", "gather", "pool_rows")))),
         ("pipeline.check", lambda a: (a.pipeline, "check")),
         ("results.result", lambda a: (a.results, "result")),
         ("per_sample_check.around_step", lambda a: (a.per_sample_check, "around_step")),
