@@ -47,7 +47,7 @@ import torch
 from lightning_dpaudit.engine.auditor import PrivacyAuditor
 from lightning_dpaudit.integrations.digits import digits_holdout, make_private_digits, train_steps
 from lightning_dpaudit.engine.canaries.input_canaries import INPUT_KINDS
-from lightning_dpaudit.testing import HOLDOUT
+from lightning_dpaudit.integrations.testing import HOLDOUT
 
 
 SPENT = {"seconds": 0.0, "run checks": 0.0}  # time inside the exact checks (check and ledger) and the run checks' steps
