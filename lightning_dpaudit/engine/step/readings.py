@@ -50,4 +50,4 @@ def on_host(parts: List[torch.Tensor]) -> Iterator[np.ndarray]:
         return iter(())
     host = torch.cat([p.reshape(-1) for p in parts]).double().cpu().numpy()
     ends = np.cumsum([p.numel() for p in parts]).tolist()
-    return (host[start:end] for start, end in zip([0, *ends[:-1]], ends))
+    return iter([host[start:end] for start, end in zip([0, *ends[:-1]], ends)])
