@@ -108,17 +108,20 @@ class AnytimeMonitor:
         width = 4 * self.num_layers
         per_step = np.bincount(row * width + np.asarray(layers) * 4 + outcome, minlength=len(labels) * width)
         per_step = per_step.reshape(len(labels), self.num_layers, 4)
-        added = {POOLED: per_step.sum(axis=1), **{g: per_step[:, g] for g in self.counts if g >= 0}}
-        groups = list(added)
-        cumulative = np.stack([self.counts[g] + np.cumsum(added[g], axis=0) for g in groups])  # (groups, steps, 4)
+        groups = [POOLED, *(g for g in self.counts if g >= 0)]
+        added = np.concatenate([per_step.sum(axis=1)[None], per_step.transpose(1, 0, 2)[groups[1:]]])
+        # (groups, steps, 4): each group's counts after each step
+        cumulative = np.stack([self.counts[g] for g in groups])[:, None, :] + np.cumsum(added, axis=1)
         alphas = np.repeat([self.alpha[g] for g in groups], len(labels))
         screen = _screen_mu(cumulative.reshape(-1, 4).astype(float), alphas).reshape(len(groups), len(labels))
+        over = screen > np.array([self.claims[g] for g in groups])[:, None]  # the steps the screen passes
+        passed = over.any(axis=1)
         for gi, group in enumerate(groups):
             self.counts[group] = cumulative[gi, -1].copy()
-            if group in self.first_violation:
+            if group in self.first_violation or not passed[gi]:
                 continue
             claim = self.claims[group]
-            for t in np.flatnonzero(screen[gi] > claim):
+            for t in np.flatnonzero(over[gi]):
                 tp, fn, fp, tn = cumulative[gi, t]
                 if min(tp + fn, fp + tn) == 0:
                     continue

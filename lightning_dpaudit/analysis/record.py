@@ -79,6 +79,16 @@ class StepReading:
     segment: int = 0
 
 
+def quiet_noise(noises: Sequence[np.ndarray]) -> List[bool]:
+    """Whether each step's sentinel noise is below QUIET_NOISE in RMS: no noise to fingerprint. Noises of one shape
+    are measured together (each row's mean as its own), others one by one."""
+    if not noises:
+        return []
+    if all(n.shape == noises[0].shape for n in noises) and noises[0].ndim == 1:
+        return (np.sqrt(np.mean(np.stack(noises) ** 2, axis=1)) < QUIET_NOISE).tolist()
+    return [bool(np.sqrt(np.mean(n**2)) < QUIET_NOISE) for n in noises]
+
+
 class AuditRecord:
     """The observation log, the anytime monitor, the noise-freshness tests and the set-up problems of one audit."""
 
@@ -99,22 +109,23 @@ class AuditRecord:
         """Log, count and fingerprint the readings of consecutive steps (in step order)."""
         if not readings:
             return
-        steps = np.concatenate([np.full(len(r.value), r.step, dtype=np.int64) for r in readings])
+        sizes = [len(r.value) for r in readings]
+        steps = np.repeat(np.array([r.step for r in readings], dtype=np.int64), sizes)
         layer = np.concatenate([r.layer for r in readings])
         is_in = np.concatenate([r.is_in for r in readings])
         value = np.concatenate([r.value for r in readings])
-        segment = np.concatenate([np.full(len(r.value), r.segment, dtype=np.int64) for r in readings])
+        segment = np.repeat(np.array([r.segment for r in readings], dtype=np.int64), sizes)
         self.log.append(step=steps, layer=layer, kind=kind, is_in=is_in, value=value)
         self.monitor.advance(steps + 1, layer, is_in, value, segment)
-        for r in readings:
-            self._fingerprint(r.noise, r.step + 1)
+        noisy = [r for r in readings if r.noise is not None]
+        for r, quiet in zip(noisy, quiet_noise([r.noise for r in noisy])):
+            if not quiet:
+                self._fingerprint(r.noise, r.step + 1)
 
-    def _fingerprint(self, noise: Optional[np.ndarray], step: int) -> None:
+    def _fingerprint(self, noise: np.ndarray, step: int) -> None:
         """A repeat of an earlier step's noise (or its negation), or noise correlated with a recent
         step's, is a violation. Steps without noise repeat nothing (the canaries see the missing
-        noise directly)."""
-        if noise is None or np.sqrt(np.mean(noise**2)) < QUIET_NOISE:
-            return
+        noise directly, and quiet_noise leaves them out)."""
         if self.fingerprints.check(noise, step) is not None:
             self.monitor.flag(REPEATS, step)
         if self.correlation.check(noise, step) is not None:

@@ -36,7 +36,7 @@ class PlannedStep:
 
     def preclipped_for(self, which: np.ndarray) -> Optional[CanarySum]:
         """The planned K when `which` selects the in-canaries it was planned for, else None."""
-        if self.preclipped is None or not np.array_equal(which, self.canaries.is_in):
+        if self.preclipped is None or (which is not self.canaries.is_in and not np.array_equal(which, self.canaries.is_in)):
             return None
         return self.preclipped
 

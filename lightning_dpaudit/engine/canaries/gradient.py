@@ -48,7 +48,7 @@ class GradientCanaries:
         upcoming = self.sampler.upcoming(all_in=all_in)
         if not self._planned or self._planned[0].canaries.pool_index is not upcoming[0][0]:
             self._planned = plan(self.probe, [self.sampler.canaries_of(entry) for entry in upcoming], self.sentinels)
-        self.sampler.next_step(all_in=all_in)  # hands out the step planned
+        self.sampler.hand_out(all_in=all_in)  # the step planned, taken out of the sampler's block
         return self._planned.pop(0)
 
     def read(self, planted: Planted, view: ReleaseView) -> Reading:

@@ -207,7 +207,12 @@ class CanarySampler:
 
         Steps are drawn BLOCK at a time (one vectorized draw) and handed out one by one.
         """
-        return self.canaries_of(self.upcoming(all_in=all_in).pop(0))
+        return self.canaries_of(self.hand_out(all_in=all_in))
+
+    def hand_out(self, *, all_in: bool = False) -> tuple:
+        """The next noised step's entry of `upcoming` (positions, weights, is_in), taken out of the block; the
+        canaries of a step whose entry was planned already need not be built again (canary_plan.py)."""
+        return self.upcoming(all_in=all_in).pop(0)
 
     def upcoming(self, *, all_in: bool = False) -> list:
         """The drawn steps not yet handed out, (positions, weights, is_in) each, the next step's first: the rest

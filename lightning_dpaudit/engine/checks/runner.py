@@ -114,10 +114,13 @@ class CheckRunner:
         return self._patch.original(*args, **kwargs)
 
     def step(self, step: int) -> None:
-        """A noised step (from 1), before its canaries."""
-        seen = StepSeen(step, self.records, self.clipped, self.fed)
-        self.records, self.clipped = 0, 0
-        self._each("step", seen)
+        """A noised step (from 1), before its canaries: the step hooks, when a check has one."""
+        if self.calls["step"]:
+            seen = StepSeen(step, self.records, self.clipped, self.fed)
+            self.records, self.clipped = 0, 0
+            self._each("step", seen)
+        else:
+            self.records, self.clipped = 0, 0
 
     def around_step(self, step: int, run_step: Callable[[], None]) -> None:
         """`run_step` (the audited step) inside every around_step wrapper, as the audit's own work."""
@@ -129,7 +132,11 @@ class CheckRunner:
                 run_step()
             finally:
                 run.busy -= 1
-        self._nest(tuple(self.hooks["around_step"]), step, own)
+        wrappers = self.hooks["around_step"]
+        if wrappers:
+            self._nest(tuple(wrappers), step, own)
+        else:
+            own()
 
     def _nest(self, wrappers: tuple, step: int, run_step: Callable[[], None]) -> None:
         if not wrappers:
@@ -143,7 +150,10 @@ class CheckRunner:
                 raise RuntimeError(f"{type(check).__name__}.around_step ran the step twice")
             ran = True
             try:
-                self._nest(inner, step, run_step)
+                if inner:
+                    self._nest(inner, step, run_step)
+                else:  # the innermost wrapper runs the step itself
+                    run_step()
             except BaseException as error:
                 raised.append(error)
                 raise

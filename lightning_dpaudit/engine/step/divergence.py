@@ -41,6 +41,14 @@ def reading_finite(reading) -> bool:
     return bool(np.isfinite(reading.value).all()) and (reading.noise is None or bool(np.isfinite(reading.noise).all()))
 
 
+def nonfinite_steps(readings) -> list:
+    """The steps (from 1) of the readings that are not finite (reading_finite), all of them tested at once first."""
+    parts = [part for r in readings for part in (r.value, r.noise) if part is not None]
+    if not parts or bool(np.isfinite(np.concatenate([part.ravel() for part in parts])).all()):
+        return []
+    return [r.step + 1 for r in readings if not reading_finite(r)]
+
+
 def training_finite(params) -> bool:
     """The parameters, their gradients and the data's clipped sums are finite now (one host sync)."""
     params = list(params)

@@ -196,7 +196,7 @@ class StepPipeline:
         """Move the pending readings to the host and record them (no alarm: that waits for a check); from a step
         whose readings are not finite on, none."""
         readings = self.readings.flush()
-        bad = [r.step + 1 for r in readings if not divergence.reading_finite(r)]
+        bad = divergence.nonfinite_steps(readings)
         if bad:
             self.diverge(min(bad))
         if self.diverged is not None:
