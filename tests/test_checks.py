@@ -283,3 +283,18 @@ def test_the_set_up_check_holds_the_normalisation_note():
     auditor = PrivacyAuditor(optimizer, module=model, seed=0, per_sample_check_every=0, checks=checks)
     assert not any(n.startswith("normalisation: ") for n in auditor.result().notes)
     auditor.detach()
+
+
+def test_a_check_with_nothing_to_do_in_this_run_is_left_out_of_its_hooks():
+    """On one process the replicas' check is idle: no hook of the run calls it; the others are called."""
+    from lightning_dpaudit.engine.checks.mechanism.replicas import ReplicaCheck
+
+    model, optimizer, _, _ = make_private_digits(seed=0)
+    auditor = PrivacyAuditor(optimizer, module=model, seed=0, per_sample_check_every=0)
+    replicas, accountant = auditor.checks.find(ReplicaCheck), auditor.checks.find(AccountantCheck)
+    assert replicas.idle and not accountant.idle
+    assert all(replicas not in auditor.checks.hooks[hook] for hook in ("loader", "batch", "accumulate", "step",
+                                                                       "around_step"))
+    assert replicas in auditor.checks.hooks["status"]  # what it did (nothing) is still its own to say
+    assert accountant in auditor.checks.hooks["step"]
+    auditor.detach()

@@ -15,6 +15,9 @@ that override it:
     notes()                 (code, message) said beside the result, never an alarm
     close()                 release hooks and patches
 
+A check the run gives nothing to do (the replicas' check on one process) sets `idle` in attach: the runner then
+calls none of its hooks of the run (loader, batch, accumulate, step, around_step).
+
 A finding is a certainty (or a test with its own stated false-alarm budget): `run.report(code,
 message, step)`, which raises the alarm. A check that raises is stopped alone by the runner.
 Each check declares the finding codes it may report (`codes`) and their scope (`scope`).
@@ -129,6 +132,7 @@ class Check:
     scope = PIPELINE
     codes: tuple = ()
     stopped: Optional[str] = None  # "stopped at step N: <error>" once stopped (by the runner, or by itself)
+    idle = False  # set by attach when the run gives the check nothing to do: no hook of the run is called then
 
     def attach(self, run: RunView) -> None:
         self.run = run
@@ -159,6 +163,7 @@ class Check:
 
 
 HOOKS = ("attach", "loader", "batch", "accumulate", "step", "around_step", "status", "notes", "close")
+RUN_HOOKS = ("loader", "batch", "accumulate", "step", "around_step")  # what an idle check is left out of
 
 
 def overrides(check: Check, hook: str) -> bool:

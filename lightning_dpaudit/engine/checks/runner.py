@@ -21,7 +21,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 from ..support.instance_patch import InstancePatch
-from .base import HOOKS, PIPELINE, SCOPES, Batch, Check, RunView, StepSeen, overrides
+from .base import HOOKS, PIPELINE, RUN_HOOKS, SCOPES, Batch, Check, RunView, StepSeen, overrides
 
 
 class CheckStoppedWarning(RuntimeWarning):
@@ -90,6 +90,10 @@ class CheckRunner:
     def attach(self) -> None:
         for check in tuple(self.checks):
             self.call(check, "attach", self.run)
+        for check in self.checks:  # nothing to do in this run (replicas on one process, ...): out of the run's hooks
+            if check.idle and check.stopped is None:
+                self._leave(check, RUN_HOOKS)
+        self.counting = bool(self.hooks["step"])
 
     def loader(self, loader) -> None:
         self._each("loader", loader)
@@ -188,16 +192,20 @@ class CheckRunner:
         else:  # a batch, an accumulation or a step hook serves the step not yet counted
             step = self.run.steps() + (self.hook in ("batch", "accumulate", "step"))
         check.stopped = f"stopped at step {step}: {first_line(error)}"
-        for hook, hooks in self.hooks.items():
-            if check in hooks:
-                hooks.remove(check)
-                self.calls[hook] = [(c, m) for c, m in self.calls[hook] if c is not check]
+        self._leave(check, HOOKS)
         try:
             check.close()
         except Exception:
             pass
         warnings.warn(f"the audit's check `{check.name}` {check.stopped}; the other checks and training go on",
                       CheckStoppedWarning, stacklevel=3)
+
+    def _leave(self, check: Check, hooks: Sequence[str]) -> None:
+        """`check` out of the lists of `hooks`."""
+        for hook in hooks:
+            if check in self.hooks[hook]:
+                self.hooks[hook].remove(check)
+                self.calls[hook] = [(c, m) for c, m in self.calls[hook] if c is not check]
 
     # ------------------------------------------------------------------ what ran
 

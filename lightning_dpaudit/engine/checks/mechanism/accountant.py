@@ -20,10 +20,9 @@ class AccountantCheck(Check):
 
     def attach(self, run: RunView) -> None:
         self.run, self.claims, self.compared = run, run.claims, 0
+        self.idle = self.claims is None or run.accountant is None  # no history to compare
 
     def step(self, seen: StepSeen) -> None:
-        if self.claims is None or self.run.accountant is None:
-            return
         released = seen.step - 1  # the steps released before this one
         for code, message in self.claims.accounting_problems(released):
             self.run.report(code, message, released)

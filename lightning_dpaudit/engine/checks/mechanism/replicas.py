@@ -31,9 +31,10 @@ class ReplicaCheck(Check):
             self.every = run.checksum_every
         self.active = self.every > 0 and dist.is_reducing(run.optimizer) and dist.world_size() > 1
         self.collectives = dist.Collectives() if self.active else None
+        self.idle = not self.active
 
     def step(self, seen: StepSeen) -> None:
-        if not self.active or (seen.step - 1) % self.every:
+        if (seen.step - 1) % self.every:
             return
         c = self.collectives
         by_rank = c.sum(c.own_slot(dist.parameter_checksums(self.run.params))).reshape(c.size, -1)
