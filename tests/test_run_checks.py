@@ -350,6 +350,15 @@ def test_another_optimizer_inside_the_model_the_data_runs_through_is_flagged_at_
     assert _codes(result) == [("outside_dp", 0)] and "`classifier.1.weight`" in result.findings[0].message
 
 
+def test_another_optimizers_tensor_outside_the_module_given_is_flagged_at_attach():
+    """A loss's own temperature, say: nothing tells what trains it, so it counts as trained on the data."""
+    model, optimizer, _, _ = make_private_digits(seed=0)
+    temperature = nn.Parameter(torch.ones(()))
+    auditor = PrivacyAuditor(optimizer, module=model, seed=1, other_optimizers=[torch.optim.Adam([temperature])])
+    result = auditor.result()
+    assert _codes(result) == [("outside_dp", 0)] and "a tensor of shape () by Adam" in result.findings[0].message
+
+
 def _beside_run(head_loss, *, audited: bool = True, steps: int = 3):
     """The digits CNN under DP-SGD and a 64 -> 64 head beside it, trained by its own SGD on `head_loss(model, head,
     batch)` after each DP step. (model, head, the audit's result or None)."""

@@ -2,9 +2,10 @@
 
 optimizers   a tensor held by another optimizer of the run (the Trainer's other optimizers, or
              `other_optimizers=`): inside the model the private batch runs through (Opacus's
-             GradSampleModule), trained on the data without noise: certain at attach, finding
-             `outside_dp`. Beside it (a generator, a loss's own temperature), it is watched as below,
-             and trained on the data only if its gradients come from the data.
+             GradSampleModule), or outside the module given (a loss's own temperature), trained
+             without noise: certain at attach, finding `outside_dp`. A tensor of the module beside that
+             model (a generator beside a DP discriminator) is watched as below, and trained on the
+             data only if its gradients come from the data.
 parameters   a tensor of the module that requires grad and that the DP optimizer does not hold is
              watched: its fingerprint (sum, sum of squares and a fixed random projection, float64)
              is taken at attach and compared at steps 1, 2 and every WATCH_EVERY steps, and a hook
@@ -82,11 +83,12 @@ class OutsideDPCheck(RunCheck):
         names = {id(p): n for n, p in named}
         gsm = None if module is None else grad_sample_module_in(module, run.params)
         data_model = None if gsm is None else {id(p) for p in gsm.parameters()}  # None: every tensor counts as in it
-        others, beside = [], []
+        others = []
         for optimizer in run.other_optimizers:  # every tensor they hold, the module's or not (a loss's own, ...)
             held = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in covered]
-            inside = [p for p in held if data_model is None or id(p) in data_model]
-            beside += [p for p in held if data_model is not None and id(p) not in data_model and id(p) not in names]
+            # certain: in the model the batch runs through, or outside the module given (nothing tells what trains
+            # it); the module's other tensors (a generator beside a DP discriminator) are watched below
+            inside = [p for p in held if data_model is None or id(p) in data_model or id(p) not in names]
             if inside:
                 others.append((type(optimizer).__name__, [names.get(id(p), f"a tensor of shape {tuple(p.shape)}")
                                                           for p in inside]))
@@ -94,7 +96,6 @@ class OutsideDPCheck(RunCheck):
             said = "; ".join(f"{listed(names)} by {kind}" for kind, names in others)
             self._found(f"tensors of the module are trained by another optimizer than the DP optimizer, without noise "
                         f"or clipping: {said}", 0)
-        named += [(f"a tensor of shape {tuple(p.shape)} held by another optimizer", p) for p in beside]
         self.watched = {n: (p, fingerprint(p), grad_print(p)) for n, p in named if p.requires_grad}
         self.handles = [p.register_post_accumulate_grad_hook(self._receiver(n))
                         for n, (p, _, _) in self.watched.items() if p.is_leaf]
