@@ -356,7 +356,7 @@ def test_another_optimizers_tensor_outside_the_module_given_is_flagged_at_attach
     temperature = nn.Parameter(torch.ones(()))
     auditor = PrivacyAuditor(optimizer, module=model, seed=1, other_optimizers=[torch.optim.Adam([temperature])])
     result = auditor.result()
-    assert _codes(result) == [("outside_dp", 0)] and "a tensor of shape () by Adam" in result.findings[0].message
+    assert _codes(result) == [("outside_dp", 0)] and "`a tensor of shape ()` by Adam" in result.findings[0].message
 
 
 def _beside_run(head_loss, *, audited: bool = True, steps: int = 3):
