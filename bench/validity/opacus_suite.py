@@ -33,9 +33,12 @@ import lightning_dpaudit  # noqa: F401  (the audit the plugin attaches: the one 
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-FILES = (  # privacy_engine_test.py whole takes over 15 minutes here (ConvNet's test_noise_level alone 130 s): 3 classes
+FILES = (  # privacy_engine_test.py whole takes over 15 minutes here (ConvNet's test_noise_level alone 130 s): 5 classes
     "privacy_engine_test.py::PrivacyEngineTextTest", "privacy_engine_test.py::PrivacyEngineTiedWeightsTest",
-    "privacy_engine_test.py::PrivacyEngineCustomLayerTest", "privacy_engine_validation_test.py",
+    "privacy_engine_test.py::PrivacyEngineCustomLayerTest",
+    "privacy_engine_test.py::PrivacyEngineTextHooksTest",  # wrap_model=False: GradSampleHooks on the user's model
+    "privacy_engine_test.py::PrivacyEngineTiedWeightsTestFunctorch",  # grad_sample_mode="functorch"
+    "privacy_engine_validation_test.py",
     "batch_memory_manager_test.py", "gradient_accumulation_test.py", "randomness_test.py",
     "grad_sample_module_fast_gradient_clipping_test.py", "grad_sample_hooks_fast_gradient_clipping_test.py",
     "accounting_noise_multiplier_test.py", "schedulers/noise_scheduler_test.py",
@@ -102,6 +105,8 @@ def compare(name: str, plain: dict, audited: dict) -> dict:
         "plain_status": plain["status"], "audited_status": audited["status"],
         "plain_seconds": plain["seconds"], "audited_seconds": audited["seconds"], "changed": changed,
         "optimizers": len(attached), "steps": sum(line.get("steps") or 0 for line in attached),
+        "with_module": sum(bool(line.get("module")) for line in attached),
+        "compared": sum((line.get("data_path") or "")[:1].isdigit() for line in attached),
         "errors": [(line["test"], e) for line in attached for e in audit_errors(line)],
         "refused": [(line["test"], line["optimizer"], line["attach_refused"]) for line in lines if "attach_refused" in line],
         "stopped": [(line["test"], s) for line in attached for s in line.get("checks_stopped", [])],
@@ -118,8 +123,9 @@ def counts(counter) -> str:
 
 def table(rows: list) -> str:
     out = ["| file | tests (plain outcomes) | plain s | audited s | outcomes unchanged | optimizers audited (steps) "
-           "| audit errors | attach refusals | checks stopped | violations | findings by code | notes by code |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| with module / exact-compared | audit errors | attach refusals | checks stopped | violations "
+           "| findings by code | notes by code |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         unfinished = [f"{k} pass: {r[k + '_status']}" for k in ("plain", "audited") if r[k + "_status"] not in (0, 1, 5)]
         unchanged = "yes" if not r["changed"] else "no: " + "; ".join(f"{t.split('::')[-1]} {a}->{b}" for t, a, b, _ in r["changed"])
@@ -127,7 +133,8 @@ def table(rows: list) -> str:
             unchanged += " (" + ", ".join(unfinished) + ")"
         out.append(
             f"| {r['file']} | {r['tests']} ({counts(r['plain'])}) | {r['plain_seconds']:.0f} | {r['audited_seconds']:.0f} "
-            f"| {unchanged} | {r['optimizers']} ({r['steps']}) | {len(r['errors'])} | {len(r['refused'])} "
+            f"| {unchanged} | {r['optimizers']} ({r['steps']}) | {r['with_module']} / {r['compared']} "
+            f"| {len(r['errors'])} | {len(r['refused'])} "
             f"| {len(r['stopped'])} | {r['violations']} | {counts(r['findings'])} | {counts(r['notes'])} |")
     return "\n".join(out)
 

@@ -9,9 +9,10 @@ Loaded with `-p opacus_suite_plugin` (this folder on PYTHONPATH) by opacus_suite
 
 The audit attaches after the outermost `__init__` of every DPOptimizer (and every subclass, those the tests
 define too) returns. Under `PrivacyEngine.make_private` (and make_private_with_epsilon, which calls it) it waits
-for make_private to return, then attaches with the GradSampleModule and the DataLoader it returned (the loader
-is watched for the sampling checks). An optimizer made outside make_private gets the GradSampleModule holding
-all its parameters when one was made, else none. Attaching never makes a test fail: an error there is written as
+for make_private to return, then attaches with the module it returned (the GradSampleModule; under
+wrap_model=False, the user's model its GradSampleHooks are on) and the DataLoader it returned (the loader is
+watched for the sampling checks). An optimizer made outside make_private gets the module of the GradSampleModule
+(or GradSampleHooks) holding all its parameters when one was made, else none. Attaching never makes a test fail: an error there is written as
 `attach_refused` and the test goes on without the audit. At the end of each test every auditor made during it
 gives its result (an error there is written as `result_error`) and is detached.
 
@@ -124,13 +125,25 @@ def _depth(name: str) -> int:
     return getattr(_state, name, 0)
 
 
+def _trained_module(made):
+    """The module the test trains for what Opacus made: a GradSampleModule itself; under wrap_model=False
+    (GradSampleHooks, not a module) the user's model the hooks are on; None otherwise."""
+    import torch
+
+    if isinstance(made, torch.nn.Module):
+        return made
+    inner = getattr(made, "_module", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 def _module_holding(optimizer):
-    """The newest GradSampleModule holding every parameter of `optimizer`, or None."""
+    """The module of the newest GradSampleModule (or GradSampleHooks) holding every parameter of `optimizer`."""
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     found = None
-    for module in list(_modules):
+    for made in list(_modules):
         try:
-            if params <= {id(p) for p in module.parameters()}:
+            module = _trained_module(made)
+            if module is not None and params <= {id(p) for p in module.parameters()}:
                 found = module
         except Exception:
             continue
@@ -143,7 +156,7 @@ def _attach(optimizer, module=None, data_loader=None) -> None:
     if module is None:
         module = _module_holding(optimizer)
     entry = {"test": _current["test"], "optimizer": type(optimizer).__name__, "auditor": None, "refused": None,
-             "module": module is not None, "loader": data_loader is not None}
+             "module": None if module is None else type(module).__name__, "loader": data_loader is not None}
     try:
         entry["auditor"] = PrivacyAuditor(optimizer, on_violation=lambda result: None,
                                           per_sample_check_every=PER_SAMPLE_EVERY, seed=0, module=module,
@@ -192,7 +205,7 @@ def _wrap_tree(cls) -> None:
 def _install() -> None:
     import torch
     from opacus import PrivacyEngine
-    from opacus.grad_sample.gsm_base import AbstractGradSampleModule
+    from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
     from opacus.optimizers import DPOptimizer
     from torch.utils.data import DataLoader
 
@@ -210,14 +223,14 @@ def _install() -> None:
 
     DPOptimizer.__init_subclass__ = classmethod(__init_subclass__)
 
-    gsm_init = AbstractGradSampleModule.__init__
+    hooks_init = AbstractGradSampleHooks.__init__  # GradSampleModule's too (it calls it)
 
-    @functools.wraps(gsm_init)
-    def gsm_init_wrapped(self, *args, **kwargs):
-        gsm_init(self, *args, **kwargs)
+    @functools.wraps(hooks_init)
+    def hooks_init_wrapped(self, *args, **kwargs):
+        hooks_init(self, *args, **kwargs)
         _modules.add(self)
 
-    AbstractGradSampleModule.__init__ = gsm_init_wrapped
+    AbstractGradSampleHooks.__init__ = hooks_init_wrapped
 
     make_private = PrivacyEngine.make_private
 
@@ -237,7 +250,7 @@ def _install() -> None:
             _state.make_private -= 1
         if outer:
             pending, _state.pending = _state.pending, []
-            module = returned[0] if isinstance(returned[0], torch.nn.Module) else None
+            module = _trained_module(returned[0])
             loader = returned[-1] if isinstance(returned[-1], DataLoader) else None
             for optimizer in pending:
                 mine = optimizer is returned[1] or getattr(returned[1], "original_optimizer", None) is optimizer
