@@ -128,7 +128,7 @@ def table(rows: list) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         unfinished = [f"{k} pass: {r[k + '_status']}" for k in ("plain", "audited") if r[k + "_status"] not in (0, 1, 5)]
-        unchanged = "yes" if not r["changed"] else "no: " + "; ".join(f"{t.split('::')[-1]} {a}->{b}" for t, a, b, _ in r["changed"])
+        unchanged = "no tests ran" if not r["tests"] else "yes" if not r["changed"] else "no: " + "; ".join(f"{t.split('::')[-1]} {a}->{b}" for t, a, b, _ in r["changed"])
         if unfinished:
             unchanged += " (" + ", ".join(unfinished) + ")"
         out.append(
@@ -164,6 +164,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     tests_dir, out = opacus_tests(), Path(args.out).resolve()
+    if importlib.util.find_spec("hypothesis") is None:
+        sys.exit("Opacus's tests need hypothesis: pip install hypothesis (or put a folder holding it on PYTHONPATH)")
+    if importlib.util.find_spec("torchvision") is None:
+        print("torchvision is missing: privacy_engine_test.py and gradient_accumulation_test.py will not collect",
+              file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pytest.ini").write_text("[pytest]\n")
     rows, start = [], time.perf_counter()
@@ -181,7 +186,7 @@ def main(argv=None) -> int:
     (out / "table.md").write_text(report)
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
     print("\n" + report)
-    bad = any(r["changed"] or r["errors"] or r["stopped"] or r["plain_status"] not in (0, 1, 5)
+    bad = any(r["changed"] or r["errors"] or r["stopped"] or not r["tests"] or r["plain_status"] not in (0, 1, 5)
               or r["audited_status"] not in (0, 1, 5) for r in rows)
     return 1 if bad else 0
 

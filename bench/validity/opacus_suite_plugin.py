@@ -105,6 +105,15 @@ def pytest_runtest_logreport(report):
             entry["detail"] = lines[-1][:300] if lines else ""
 
 
+def pytest_collectreport(report):
+    """A file or class that fails to collect (a missing import): its tests never run, so it is written as one error."""
+    if report.failed and OUTCOMES:
+        lines = (report.longreprtext or "").strip().splitlines()
+        with open(OUTCOMES, "a") as handle:
+            handle.write(json.dumps({"test": report.nodeid or "<collection>", "outcome": "error", "seconds": 0.0,
+                                     "detail": "collection failed: " + (lines[-1][:280] if lines else "")}) + "\n")
+
+
 def pytest_runtest_logfinish(nodeid, location):
     entry = _outcomes.pop(nodeid, None)
     if entry is None or not OUTCOMES:
