@@ -126,7 +126,7 @@ def pytest_runtest_logfinish(nodeid, location):
 
 _state = threading.local()
 _current = {"test": None}
-_auditors: list = []  # (test, optimizer class, auditor or None, attach error or None, module known, loader known)
+_auditors: list = []  # one dict per optimizer: test, optimizer class, auditor (or None and why refused), module, loader
 _modules: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -160,6 +160,15 @@ def _module_holding(optimizer):
 
 
 def _attach(optimizer, module=None, data_loader=None) -> None:
+    """Attach, or write why not; nothing here reaches the test."""
+    try:
+        _attach_audit(optimizer, module, data_loader)
+    except Exception as error:  # the plugin's own slip (the auditor's refusals are caught inside)
+        _auditors.append({"test": _current["test"], "optimizer": type(optimizer).__name__, "auditor": None,
+                          "refused": f"plugin: {type(error).__name__}: {error}", "module": None, "loader": False})
+
+
+def _attach_audit(optimizer, module, data_loader) -> None:
     from lightning_dpaudit import PrivacyAuditor
 
     if module is None:
