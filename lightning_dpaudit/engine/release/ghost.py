@@ -152,7 +152,8 @@ class GhostClipping:
 
     def _owner(self, gsm, index: int):
         if self._owners is None:
-            where = {id(q): m for m in gsm.modules() for q in m.parameters(recurse=False)}
+            root = gsm if hasattr(gsm, "modules") else gsm._module  # GradSampleHooks (wrap_model=False): its model
+            where = {id(q): m for m in root.modules() for q in m.parameters(recurse=False)}
             self._owners = [where.get(id(p)) for p in self.params]
         return self._owners[index]
 

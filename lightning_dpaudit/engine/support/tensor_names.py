@@ -28,7 +28,10 @@ def layer_names(params, module, optimizer=None, owner=None) -> list:
 
 
 def name_from(names: list, params, module) -> bool:
-    """Fill `names` in place from module.named_parameters(); True when every tensor has a name."""
+    """Fill `names` in place from module.named_parameters(); True when every tensor has a name. Opacus's
+    GradSampleHooks (wrap_model=False) names them by the model it hooks."""
+    if not hasattr(module, "named_parameters"):
+        module = module._module
     found = {id(p): ".".join(part for part in n.split(".") if part != "_module") for n, p in module.named_parameters()}
     for i, p in enumerate(params):
         if id(p) in found:
@@ -79,7 +82,9 @@ class NameWatch:
 
 
 def hook_owner(hook):
-    from opacus.grad_sample.gsm_base import AbstractGradSampleModule
+    """The Opacus object whose hook this is: a GradSampleModule, or under make_private(wrap_model=False) the
+    GradSampleHooks on the user's model (not a module itself: its model is its `_module`); None otherwise."""
+    from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 
     owner = getattr(getattr(hook, "func", hook), "__self__", None)
-    return owner if isinstance(owner, AbstractGradSampleModule) else None
+    return owner if isinstance(owner, AbstractGradSampleHooks) else None
