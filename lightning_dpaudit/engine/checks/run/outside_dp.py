@@ -82,6 +82,7 @@ class OutsideDPCheck(RunCheck):
         named = [] if module is None else [(n, p) for n, p in module.named_parameters() if id(p) not in covered]
         names = {id(p): n for n, p in named}
         gsm = None if module is None else grad_sample_module_in(module, run.params)
+        gsm = getattr(gsm, "_module", gsm)  # the model Opacus wraps or hooks (GradSampleHooks: not a module itself)
         data_model = None if gsm is None else {id(p) for p in gsm.parameters()}  # None: every tensor counts as in it
         others = []
         for optimizer in run.other_optimizers:  # every tensor they hold, the module's or not (a loss's own, ...)
