@@ -13,8 +13,9 @@ coordinates, so every rank centres G / f on the same sum S and observes
 <w, G / f - S> for every canary: the same numbers on every rank, hence the same
 AuditResult, and a bug anywhere between clipping and the reduced update is in view.
 The same all-reduce carries how much noise each rank added (a DistributedDPOptimizer adds
-it on rank 0 only) and, every `checksum_every` steps, per-tensor checksums of every
-replica's parameters (replicas that drift apart train different models).
+it on rank 0 only). Every `checksum_every` steps the replicas' check (checks/mechanism/replicas.py)
+compares per-tensor checksums of every replica's parameters in an all-reduce of its own
+(replicas that drift apart train different models).
 """
 
 from __future__ import annotations

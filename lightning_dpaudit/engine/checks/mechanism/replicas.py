@@ -29,9 +29,8 @@ class ReplicaCheck(Check):
         self.run, self.compared = run, 0
         if self.every is None:
             self.every = run.checksum_every
-        self.active = self.every > 0 and dist.is_reducing(run.optimizer) and dist.world_size() > 1
-        self.collectives = dist.Collectives() if self.active else None
-        self.idle = not self.active
+        self.idle = not (self.every > 0 and dist.is_reducing(run.optimizer) and dist.world_size() > 1)
+        self.collectives = None if self.idle else dist.Collectives()
 
     def step(self, seen: StepSeen) -> None:
         if (seen.step - 1) % self.every:
@@ -49,4 +48,4 @@ class ReplicaCheck(Check):
             ), seen.step)
 
     def status(self) -> str:
-        return f"replicas ({self.compared} comparisons of every rank's parameters)" if self.active else ""
+        return "" if self.idle else f"replicas ({self.compared} comparisons of every rank's parameters)"

@@ -54,6 +54,11 @@ def grad_print(t: torch.Tensor) -> Optional[tuple]:
     return None if t.grad is None else fingerprint(t.grad)
 
 
+def compared_at(step: int) -> bool:
+    """Whether the watched tensors are compared at `step` (and its batch traced): steps 1, 2, every WATCH_EVERY."""
+    return step <= 2 or step % WATCH_EVERY == 0
+
+
 def listed(names: List[str]) -> str:
     shown = ", ".join(f"`{n}`" for n in names[:NAMED])
     return shown + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
@@ -112,7 +117,7 @@ class OutsideDPCheck(RunCheck):
     def batch(self, batch) -> None:
         """Trace what is computed from the batch of a compared step (data_taint.py), up to the next batch."""
         coming = self.run.steps() + 1
-        if self.watched and not self.found and (coming <= 2 or coming % WATCH_EVERY == 0):
+        if self.watched and not self.found and compared_at(coming):
             self.taint.start(batch.tensors)
             self.batches_traced, self.traced_step = self.batches_traced + 1, coming
         else:
@@ -132,7 +137,7 @@ class OutsideDPCheck(RunCheck):
         step = seen.step
         if step > self.traced_step:  # a later step than the one traced: nothing more to trace (no batch came)
             self.taint.stop()
-        if self.found or not self.watched or not (step <= 2 or step % WATCH_EVERY == 0):
+        if self.found or not self.watched or not compared_at(step):
             return
         self.compared += 1
         changed = [n for n, (p, before, _) in self.watched.items() if fingerprint(p) != before]
