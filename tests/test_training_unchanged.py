@@ -97,3 +97,36 @@ def test_a_canary_scale_that_cannot_stay_finite_is_refused():
     _, optimizer, _, _ = _setup("hooks", True)
     with pytest.raises(ValueError, match=r"Unexpected value for `canary_scale`: 1e\+39; use a finite number in \(0.0, 10000.0\]"):
         PrivacyAuditor(optimizer, canary_scale=1e39)
+
+
+
+def _beside_another(grad_sample_mode: str, audited: bool):
+    """Two private models trained step for step in one process, the first audited or not: their tensors after
+    each step."""
+    first, other = _setup(grad_sample_mode, True), _setup(grad_sample_mode, True)
+    if audited:
+        PrivacyAuditor(first[1], seed=3, data_loader=first[3])  # its model found from the forward passes it sees
+    torch.manual_seed(11)  # the dropout of both
+    seen, batches = [], [iter(other[3]), iter(first[3])]
+    for _ in range(4):
+        for (module, optimizer, criterion, _), batch in zip((other, first), batches):  # the other one first
+            x, y = next(batch)
+            optimizer.zero_grad()
+            criterion(module(x), y).backward()
+            optimizer.step()
+        seen.append([[p.detach().clone() for p in m[0].parameters()] for m in (first, other)])
+    return seen
+
+
+@pytest.mark.parametrize("grad_sample_mode", ["hooks", "functorch"])
+def test_another_model_trained_in_the_same_process_is_left_alone(grad_sample_mode):
+    """A second private model, not audited, trained step for step beside an audited one from before the audited
+    one's first forward pass, equals the same model beside the same run with no audit; the audited one equals
+    its unaudited self (to the canaries' rounding)."""
+    plain, audited = _beside_another(grad_sample_mode, False), _beside_another(grad_sample_mode, True)
+    assert len(plain) == len(audited) == 4
+    for (first, other), (first_audited, other_audited) in zip(plain, audited):
+        for p, q in zip(other, other_audited):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+        for p, q in zip(first, first_audited):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-6)

@@ -43,7 +43,8 @@ class NameWatch:
     """Waits for the first forward pass through the audited parameters and names them.
 
     A global forward pre-hook (torch.nn.modules.module.register_module_forward_pre_hook)
-    sees every module called. A GradSampleModule, or a submodule owning one of the
+    sees every module called. A GradSampleModule holding one of the parameters (never
+    another model's, trained in the same process), or a submodule owning one of the
     parameters whose forward hooks belong to a GradSampleModule (Opacus hooks modules in
     place, as under Lightning), gives the names. The hook removes itself when the names
     are found, when a module owning the parameters carries no Opacus hooks (nothing to
@@ -67,6 +68,8 @@ class NameWatch:
             self.handle.remove()  # detached, or the auditor never finished attaching
             return
         if isinstance(module, AbstractGradSampleModule):
+            if not any(id(p) in self.ids for p in module.parameters()):
+                return  # another model's wrapper, in the same process
             owner = module
         elif any(p is not None and id(p) in self.ids for p in module._parameters.values()):
             owner = next((o for o in map(hook_owner, module._forward_hooks.values()) if o is not None), None)

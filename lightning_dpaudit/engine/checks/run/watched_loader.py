@@ -3,8 +3,10 @@
 The loader's class is swapped, on this instance only, for a subclass whose `__iter__` hands
 each batch to `seen(batch)` before yielding it unchanged (a `for` loop looks `__iter__` up on
 the class, so an instance attribute would not be called); `restore()` gives the instance its
-class back. An error of `seen` never reaches the training loop: it is warned once, and the
-loader is no longer watched.
+class back. The loader's own iterator is made when `__iter__` is called, as without the
+watch: making it draws the workers' base seed from torch's global generator, and a later draw
+would move the training's random numbers. An error of `seen` never reaches the training
+loop: it is warned once, and the loader is no longer watched.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ class WatchedLoader:
         original, watcher = self.original, self
 
         def __iter__(self):
-            for batch in original.__iter__(self):
+            return watcher.passed_on(original.__iter__(self))  # made at once: it draws from torch's generator
+
+        def passed_on(batches):
+            for batch in batches:
                 if watcher.failed is None:
                     try:
                         seen(batch)
@@ -29,6 +34,7 @@ class WatchedLoader:
                         warnings.warn(f"the run checks stopped watching the loader: {watcher.failed}", RuntimeWarning)
                 yield batch
 
+        self.passed_on = passed_on
         watched = type(original.__name__, (original,), {"__iter__": __iter__, "__module__": original.__module__,
                                                         "__qualname__": original.__qualname__})
         loader.__class__ = watched
