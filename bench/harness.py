@@ -7,6 +7,7 @@ A script, run as `python bench/<role>/<name>.py`, imports this module with one l
                                               (tests/ghost_setups.py, examples/_transformer.py, ...) importable
     parser(__doc__, steps=300, rounds=5)      an ArgumentParser with the shared flags; flags() adds more of them
     alternate({"A": a, "B": b}, rounds)       each run's times, the runs taking turns; medians(), median_ratio()
+    step_by_step({"A": a, "B": b}, steps)     each step's time, the runs taking turns step by step
     clocked(function, spent, key), clock()    a function's or method's time added up at each call
     header("a", "b"), row(x, y)               markdown table lines
 """
@@ -88,6 +89,32 @@ def alternate(runs: Dict[Hashable, Callable[[int], float]], rounds: int, *, swap
             if before is not None:
                 before()
             times[name].append(runs[name](r))
+    return times
+
+
+def step_by_step(steppers: Dict[Hashable, Callable[[], float]], steps: int, *, warm_up: int = 20,
+                 collect_every: int = 100) -> Dict[Hashable, List[float]]:
+    """Each stepper's time of each of `steps` steps, the steppers taking turns step by step (the order swapped every
+    step), so that noise lasting longer than a step hits them alike. stepper() runs one training step and returns its
+    seconds. The garbage collector runs between steps every `collect_every` steps, never inside one."""
+    import gc
+
+    names = list(steppers)
+    for _ in range(warm_up):
+        for name in names:
+            steppers[name]()
+    times = {name: [] for name in names}
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(steps):
+            if i % collect_every == 0:
+                gc.collect()
+            for name in (names if i % 2 == 0 else names[::-1]):
+                times[name].append(steppers[name]())
+    finally:
+        if was_enabled:
+            gc.enable()
     return times
 
 
