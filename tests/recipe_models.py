@@ -1,5 +1,6 @@
 """The recipes (tests/recipes.py) that bring a model or a loop of their own: a Hugging Face classifier with LoRA,
-a DP-GAN, and a Lightning Trainer under bf16-mixed precision."""
+a DP-GAN, and Lightning Trainers under bf16-mixed precision (one of them the large-batch, augmentation-multiplicity,
+EMA recipe)."""
 
 from __future__ import annotations
 
@@ -115,13 +116,6 @@ def lightning_run(seed: int, steps: int, *, second_optimizer: bool = False):
     configure_optimizers (two optimizers: manual optimization) and leaves that layer out of the DP optimizer."""
     import pytorch_lightning as pl
 
-    from lightning_dpaudit import DPAuditCallback
-
-    loggers = [logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric",
-                                                     "lightning_dpaudit")]
-    levels = [logger.level for logger in loggers]  # quiet for this run only: later tests read these loggers
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
     pl.seed_everything(seed, verbose=False)
     if second_optimizer:
         model = DigitsCNN()
@@ -153,6 +147,69 @@ def lightning_run(seed: int, steps: int, *, second_optimizer: bool = False):
         def configure_optimizers(self):
             return optimizer if plain is None else [optimizer, plain]
 
+    return fit_audited(Classifier(), loader, seed, steps)
+
+
+def best_recipe_run(seed: int, steps: int, *, views_as_records: bool = False):
+    """The recipe behind the best published DP-SGD accuracies on a user's own Trainer: a large batch (256 expected,
+    Poisson), augmentation multiplicity (VIEWS views of each record in one forward pass, the per-sample gradients
+    averaged over each record's views in on_before_optimizer_step), an EMA of the iterates by Lightning's own
+    EMAWeightAveraging callback, precision="bf16-mixed", DPAuditCallback beside it. The twin leaves the views'
+    gradients unaveraged: each view clipped as a record."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import EMAWeightAveraging
+
+    pl.seed_everything(seed, verbose=False)
+    model, optimizer, loader = private(DigitsCNN(), digits_dataset(), seed=seed, batch_size=4 * 64, lr=1.0)
+
+    class AugMult(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.records = 0
+
+        def training_step(self, batch, batch_idx):
+            images, labels = batch
+            self.records = len(images)
+            return CE(self.model(views_of(images)), labels.repeat_interleave(VIEWS))
+
+        def on_before_optimizer_step(self, optimizer):
+            if views_as_records:
+                return
+            for p in self.model.parameters():
+                if getattr(p, "grad_sample", None) is not None:
+                    p.grad_sample = p.grad_sample.view(self.records, VIEWS, *p.shape).mean(dim=1)
+
+        def configure_optimizers(self):
+            return optimizer
+
+    return fit_audited(AugMult(), loader, seed, steps, callbacks=[EMAWeightAveraging(decay=0.999)])
+
+
+VIEWS = 4
+
+
+def views_of(images: torch.Tensor) -> torch.Tensor:
+    """VIEWS views of each image, consecutive (random flips and one-pixel shifts, drawn from torch's generator)."""
+    views = [images] + [torch.roll(images.flip(-1) if torch.rand(()) < 0.5 else images,
+                                   shifts=tuple(torch.randint(-1, 2, (2,)).tolist()), dims=(-2, -1))
+                        for _ in range(VIEWS - 1)]
+    return torch.stack(views, dim=1).reshape(len(images) * VIEWS, *images.shape[1:])
+
+
+def fit_audited(module, loader, seed: int, steps: int, *, callbacks=()):
+    """Trainer(precision="bf16-mixed") with DPAuditCallback after `callbacks`, stopped at the first alarm, Lightning's
+    and the package's loggers quiet for this run only; the audit's result."""
+    import pytorch_lightning as pl
+
+    from lightning_dpaudit import DPAuditCallback
+
+    loggers = [logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric",
+                                                     "lightning_dpaudit")]
+    levels = [logger.level for logger in loggers]  # quiet for this run only: later tests read these loggers
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+
     class StopAtAlarm:
         trainer = None
 
@@ -161,11 +218,12 @@ def lightning_run(seed: int, steps: int, *, second_optimizer: bool = False):
 
     alert = StopAtAlarm()
     callback = DPAuditCallback(seed=seed, report=False, alert=alert)
-    trainer = pl.Trainer(max_steps=steps, callbacks=[callback], precision="bf16-mixed", accelerator="cpu", logger=False,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer = pl.Trainer(max_steps=steps, callbacks=[*callbacks, callback], precision="bf16-mixed", accelerator="cpu",
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False)
     alert.trainer = trainer
     try:
-        trainer.fit(Classifier(), loader)
+        trainer.fit(module, loader)
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)

@@ -18,7 +18,7 @@ from torch.utils.data import Subset
 
 from lightning_dpaudit.datasets import DigitsCNN, digits_dataset, make_private_digits
 from lightning_dpaudit.testing import inject_bug
-from recipe_models import dp_gan_run, lightning_run, lora_run
+from recipe_models import VIEWS, best_recipe_run, dp_gan_run, lightning_run, lora_run, views_of
 from recipe_runs import Audit, Recipe, cross_entropy, loop, private, sgd_step
 
 CE = nn.CrossEntropyLoss()
@@ -103,8 +103,6 @@ def ema_run(seed: int, steps: int, *, shadow_trained: bool = False):
 
 # ---------------------------------------------------------------------------------------------- 3 augmentation multiplicity
 
-VIEWS = 4
-
 
 def augmult_run(seed: int, steps: int, *, average: bool = True):
     """K augmented views of each record (random flips and shifts, drawn from torch's generator), the per-sample
@@ -114,11 +112,7 @@ def augmult_run(seed: int, steps: int, *, average: bool = True):
     def loss(batch):
         """The step's loss over the records' consecutive views; given to the audit as the loop's own loss."""
         images, labels = batch
-        views = [images] + [torch.roll(images.flip(-1) if torch.rand(()) < 0.5 else images,
-                                       shifts=tuple(torch.randint(-1, 2, (2,)).tolist()), dims=(-2, -1))
-                            for _ in range(VIEWS - 1)]
-        inputs = torch.stack(views, dim=1).reshape(len(images) * VIEWS, *images.shape[1:])
-        return CE(model(inputs), labels.repeat_interleave(VIEWS))
+        return CE(model(views_of(images)), labels.repeat_interleave(VIEWS))
 
     audit = Audit(optimizer, module=model, loader=loader, seed=seed, loss=loss)
 
@@ -246,4 +240,8 @@ RECIPES: Dict[str, Recipe] = {r.name: r for r in [
     Recipe("lightning-bf16", 'Lightning Trainer, precision="bf16-mixed", DPAuditCallback',
            "a second optimizer in configure_optimizers (manual optimization)",
            lambda s, n: lightning_run(s, n), lambda s, n: lightning_run(s, n, second_optimizer=True), ("outside_dp",)),
+    Recipe("lightning-best-recipe", "Lightning, bf16-mixed, batch 256, 4 views averaged per record, EMAWeightAveraging",
+           "the views' gradients left unaveraged (views clipped as records)",
+           lambda s, n: best_recipe_run(s, n), lambda s, n: best_recipe_run(s, n, views_as_records=True),
+           ("multiplicity",), declines=("the model's batch is not the loader's",)),
 ]}
