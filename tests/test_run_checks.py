@@ -626,3 +626,23 @@ def test_sequence_first_data_read_as_batch_first_is_rows_that_are_not_records_no
     assert codes[0] == "rows_not_records" and "sampling" not in codes, codes
     assert "clipped 12 rows at step 1" in result.findings[0].message and "batch_first=False" in result.findings[0].message
     assert result.findings[0].scope == "pipeline" and "(rows_not_records)" in str(result).splitlines()[0]
+
+
+def test_a_watcher_that_raises_stops_watching_and_the_batches_pass_unchanged():
+    """The watched loader's `seen` raising: one RuntimeWarning, no later call, every batch delivered as it was."""
+    from lightning_dpaudit.engine.checks.run.watched_loader import WatchedLoader
+
+    loader = torch.utils.data.DataLoader(torch.arange(12.0), batch_size=4)
+    calls = []
+
+    def seen(batch):
+        calls.append(batch)
+        raise ValueError("broken")
+
+    watcher = WatchedLoader(loader, seen)
+    with pytest.warns(RuntimeWarning, match="stopped watching the loader: ValueError: broken"):
+        delivered = list(loader)
+    assert len(calls) == 1 and watcher.failed == "ValueError: broken"
+    assert [b.tolist() for b in delivered] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]
+    watcher.restore()
+    assert type(loader) is torch.utils.data.DataLoader

@@ -17,27 +17,27 @@ from typing import Callable
 
 class WatchedLoader:
     def __init__(self, loader, seen: Callable):
-        self.loader, self.original = loader, type(loader)
+        self.loader, self.original, self.seen = loader, type(loader), seen
         self.failed = None  # the error that stopped the watching, if one did
         original, watcher = self.original, self
 
         def __iter__(self):
             return watcher.passed_on(original.__iter__(self))  # made at once: it draws from torch's generator
 
-        def passed_on(batches):
-            for batch in batches:
-                if watcher.failed is None:
-                    try:
-                        seen(batch)
-                    except Exception as error:  # the audit's own failure never ends training
-                        watcher.failed = f"{type(error).__name__}: {error}"
-                        warnings.warn(f"the run checks stopped watching the loader: {watcher.failed}", RuntimeWarning)
-                yield batch
-
-        self.passed_on = passed_on
         watched = type(original.__name__, (original,), {"__iter__": __iter__, "__module__": original.__module__,
                                                         "__qualname__": original.__qualname__})
         loader.__class__ = watched
+
+    def passed_on(self, batches):
+        """The loader's batches, each seen first while the watching lasts."""
+        for batch in batches:
+            if self.failed is None:
+                try:
+                    self.seen(batch)
+                except Exception as error:  # the audit's own failure never ends training
+                    self.failed = f"{type(error).__name__}: {error}"
+                    warnings.warn(f"the run checks stopped watching the loader: {self.failed}", RuntimeWarning)
+            yield batch
 
     def restore(self) -> None:
         if type(self.loader).__mro__[1] is self.original:
