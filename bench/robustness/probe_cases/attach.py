@@ -173,24 +173,28 @@ def _attach_empty():
     return run
 
 
+def _audited_like_plain(build, words, stage_words):
+    """A staged case: the model, optimizer and loader of `build()` trained STEPS steps under a default audit, judged
+    against the same run without it (`words`: what the judgement looks for, `stage_words`: what each stage's
+    error would name)."""
+    from lightning_dpaudit import PrivacyAuditor
+
+    m, o, l = build()
+    run_steps(m, o, l, STEPS)
+    reference = [p.detach().clone() for p in m.parameters()]
+
+    def setup():
+        model, optimizer, loader = build()
+        return model, optimizer, loader, PrivacyAuditor(optimizer, seed=1)
+
+    return staged(setup, lambda ctx: run_steps(*ctx[:3], STEPS),
+                  lambda ctx, _: judge_run(ctx[3], ctx[0], reference, STEPS, words), stage_words)
+
+
 def _attach_frozen():
     def run():
         quiet()
-        from lightning_dpaudit import PrivacyAuditor
-
-        def build():
-            return digits_made_private(freeze_features=True)
-
-        m0, o0, l0 = build()
-        run_steps(m0, o0, l0, STEPS)
-        reference = [p.detach().clone() for p in m0.parameters()]
-
-        def setup():
-            model, optimizer, loader = build()
-            return model, optimizer, loader, PrivacyAuditor(optimizer, seed=1)
-
-        return staged(setup, lambda ctx: run_steps(*ctx[:3], STEPS),
-                      lambda ctx, _: judge_run(ctx[3], ctx[0], reference, STEPS, ["frozen"]), ["requires_grad"])
+        return _audited_like_plain(lambda: digits_made_private(freeze_features=True), ["frozen"], ["requires_grad"])
     return run
 
 
@@ -252,21 +256,8 @@ def _attach_ghost():
 def _attach_adaptive():
     def run():
         quiet()
-
-        from lightning_dpaudit import PrivacyAuditor
-
-        def build():
-            return digits_made_private(clipping="adaptive", target_unclipped_quantile=0.5, clipbound_learning_rate=0.2,
-                                       max_clipbound=10.0, min_clipbound=0.1, unclipped_num_std=5.0)
-
-        m, o, l = build()
-        run_steps(m, o, l, STEPS)
-        reference = [p.detach().clone() for p in m.parameters()]
-
-        def setup():
-            model, optimizer, loader = build()
-            return model, optimizer, loader, PrivacyAuditor(optimizer, seed=1)
-
-        return staged(setup, lambda ctx: run_steps(*ctx[:3], STEPS),
-                      lambda ctx, _: judge_run(ctx[3], ctx[0], reference, STEPS, ["adaptive"]), ["adaptive", "clip"])
+        return _audited_like_plain(
+            lambda: digits_made_private(clipping="adaptive", target_unclipped_quantile=0.5, clipbound_learning_rate=0.2,
+                                        max_clipbound=10.0, min_clipbound=0.1, unclipped_num_std=5.0),
+            ["adaptive"], ["adaptive", "clip"])
     return run
