@@ -141,3 +141,19 @@ def test_the_auditors_moved_attributes_still_answer_with_a_deprecation_warning()
     with pytest.raises(AttributeError, match="no attribute 'nothing_of_the_kind'"):
         auditor.nothing_of_the_kind
     auditor.detach()
+
+
+BENCH = PACKAGE.parent / "bench"
+
+
+def _bench_scripts() -> list:
+    """The scripts one runs in bench/'s role folders: every module there but the path helper and the modules other
+    scripts load (a pytest plugin, the probe's case files)."""
+    return sorted(p.name for p in BENCH.glob("*/*.py") if not p.name.startswith("_") and not p.name.endswith("_plugin.py"))
+
+
+def test_bench_readme_lists_every_script():
+    listed = set(re.findall(r"^\| `([a-z_]+\.py)` \|", (BENCH / "README.md").read_text(), flags=re.MULTILINE))
+    scripts = _bench_scripts()
+    assert len(scripts) >= 30, scripts  # the glob finds the role folders' scripts
+    assert sorted(set(scripts) - listed) == [] and sorted(listed - set(scripts)) == []
