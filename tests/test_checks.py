@@ -298,3 +298,22 @@ def test_a_check_with_nothing_to_do_in_this_run_is_left_out_of_its_hooks():
     assert replicas in auditor.checks.hooks["status"]  # what it did (nothing) is still its own to say
     assert accountant in auditor.checks.hooks["step"]
     auditor.detach()
+
+
+ATTACHING = [type(check) for check in default_checks() if "attach" in vars(type(check))]
+
+
+@pytest.mark.parametrize("kind", ATTACHING, ids=[kind.__name__ for kind in ATTACHING])
+def test_a_default_check_whose_attach_raises_is_stopped_alone(kind, monkeypatch):
+    def broken(self, run):
+        raise RuntimeError(f"broken attach of {type(self).__name__}")
+
+    monkeypatch.setattr(kind, "attach", broken)  # before the auditor binds the checks' hooks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, result = audited_run(None)
+    assert same_parameters(model, plain_model())
+    assert result.audit_failed is None and not result.violation  # the canaries and the other checks went on
+    assert [detail for _, detail in result.checks_stopped] == [f"stopped at step 0: RuntimeError: broken attach of "
+                                                                f"{kind.__name__}"]
+    assert result.steps == STEPS and result.n_in + result.n_out > 0

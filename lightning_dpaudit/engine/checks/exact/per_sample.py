@@ -85,6 +85,7 @@ class PerSampleCheck(Check):
         self.replays = {"examples": 0, "batch": 0}  # replays of the chosen examples alone, of the whole batch
         self.skipped: Optional[str] = None  # why the last due step could not be compared
         self.stopped: Optional[str] = None  # "stopped at step N: <error>" once its own failure stopped it
+        self.ghost = self.sharded = False  # the run's, set in attach (read by the noised step even if attach failed)
 
     def attach(self, run: RunView) -> None:
         super().attach(run)
