@@ -87,7 +87,11 @@ def attach_cases():
                       auditor_case({}, names=["max_grad_norm"], private_options={"max_grad_norm": 1e-8})))
     cases.append(Case("attach/max_grad_norm=1e8", "attach targets", HANDLED,
                       auditor_case({}, names=["max_grad_norm"], private_options={"max_grad_norm": 1e8})))
-    for attribute, value in [("noise_multiplier", 0.0), ("noise_multiplier", -1.0), ("noise_multiplier", NAN),
+    # no noise at all is a run the audit can describe: certain, `no_noise`, and trained as plain Opacus trains it
+    cases.append(Case("attach/optimizer.noise_multiplier=0.0", "attach targets", HANDLED,
+                      auditor_case({}, names=["noise_multiplier"], prepare=_setter("noise_multiplier", 0.0), observed=False,
+                                   codes=("no_noise",))))
+    for attribute, value in [("noise_multiplier", -1.0), ("noise_multiplier", NAN),
                              ("noise_multiplier", INF), ("noise_multiplier", "1"), ("noise_multiplier", None),
                              ("max_grad_norm", 0.0), ("max_grad_norm", -1.0), ("max_grad_norm", NAN),
                              ("max_grad_norm", None), ("max_grad_norm", "1.0")]:

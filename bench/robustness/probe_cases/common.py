@@ -86,9 +86,12 @@ def private(**options):
     return make_private_digits(seed=0, **options)
 
 
-def plain_params(private_options, steps, during=None):
-    """Plain Opacus's model after `steps` steps (during(optimizer, step) as in the audited run)."""
+def plain_params(private_options, steps, during=None, prepare=None):
+    """Plain Opacus's model after `steps` steps (during(optimizer, step) and prepare(model, optimizer) as in the
+    audited run)."""
     model, optimizer, loader, _ = private(**private_options)
+    if prepare is not None:
+        prepare(model, optimizer)
     run_steps(model, optimizer, loader, steps, during)
     return [p.detach().clone() for p in model.parameters()]
 
@@ -142,8 +145,10 @@ def model_difference(model, reference) -> float:
     return value
 
 
-def judge_run(auditor, model, reference, steps, names, *, observed=True, violation_ok=False, failure_expected=None):
-    """A finished audited run: the model equals plain Opacus's, the result is a valid account of it."""
+def judge_run(auditor, model, reference, steps, names, *, observed=True, violation_ok=False, failure_expected=None,
+              codes=()):
+    """A finished audited run: the model equals plain Opacus's, the result is a valid account of it (a violation
+    naming each of `codes`, when given)."""
     diff = model_difference(model, reference)
     scale = max([1.0] + [float(r.abs().max()) for r in reference if r.numel() and r.isfinite().all()])
     diff = diff / scale  # float32 rounding of the canaries' add-and-remove grows with the parameters' size
@@ -167,18 +172,23 @@ def judge_run(auditor, model, reference, steps, names, *, observed=True, violati
         return "silent-wrong", f"no observation; summary: {text.splitlines()[0][:80]}"
     if not observed and n == 0 and text.startswith("OK"):
         return "silent-wrong", f"nothing observed and summary says {text.splitlines()[0][:60]}"
-    if result.violation and not violation_ok:
+    found = {f.code for f in result.findings}
+    if codes and not (result.violation and set(codes) <= found):
+        return "silent-wrong", f"expected a violation naming {sorted(codes)}; findings {sorted(found)}"
+    if result.violation and not violation_ok and not codes:
         return "silent-wrong", f"violation on a correct optimizer: {text.splitlines()[0][:80]}"
     for name in ("epsilon_lower_bound", "mu_lower_bound"):
         value = getattr(result, name, None)
         if value is not None and (isinstance(value, float) and (math.isnan(value) and n > 0 or value < 0)):
             return "silent-wrong", f"{name} = {value}"
-    return "handled", f"{steps} steps, {n} obs, violation={result.violation}, model == plain (<= {diff:.1g})"
+    named = f" naming {', '.join(sorted(codes))}" if codes else ""
+    return "handled", f"{steps} steps, {n} obs, violation={result.violation}{named}, model == plain (<= {diff:.1g})"
 
 
 def auditor_case(options, *, names, private_options=None, steps=STEPS, observed=True, inputs=0, prepare=None,
-                 during=None, violation_ok=False):
-    """PrivacyAuditor(optimizer, **options) on the digits CNN; then `steps` steps; judged against plain Opacus."""
+                 during=None, violation_ok=False, codes=()):
+    """PrivacyAuditor(optimizer, **options) on the digits CNN; then `steps` steps; judged against plain Opacus (made
+    the same way, `prepare` included, when `codes` names the violation the run must show)."""
     private_options = dict(private_options or {})
 
     def run():
@@ -186,7 +196,8 @@ def auditor_case(options, *, names, private_options=None, steps=STEPS, observed=
         from lightning_dpaudit import PrivacyAuditor
         from lightning_dpaudit.integrations.digits import digits_holdout
 
-        reference = plain_params({**private_options, **({"holdout": inputs} if inputs else {})}, steps, during)
+        reference = plain_params({**private_options, **({"holdout": inputs} if inputs else {})}, steps, during,
+                                 prepare if codes else None)
 
         def setup():
             model, optimizer, loader, _ = private(**private_options, **({"holdout": inputs} if inputs else {}))
@@ -207,7 +218,7 @@ def auditor_case(options, *, names, private_options=None, steps=STEPS, observed=
             return None
 
         return staged(setup, use, lambda ctx, _: judge_run(ctx[3], ctx[0], reference, steps, names, observed=observed,
-                                                            violation_ok=violation_ok), names)
+                                                            violation_ok=violation_ok, codes=codes), names)
 
     return run
 

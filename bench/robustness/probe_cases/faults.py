@@ -9,29 +9,46 @@ from .common import Case, HANDLED, STEPS, describe, judge_run, plain_params, pri
 
 
 def fault_cases():
-    targets = [
+    core = [
         ("kind.plant", lambda a: (a.kind, "plant")),
         ("kind.read", lambda a: (a.kind, "read")),
         ("kind.finish_step", lambda a: (a.kind, "finish_step")),
         ("record.add", lambda a: (a.record, _first_attr(a.record, ("add", "observe", "add_step", "record")))),
         ("path.release", lambda a: (a.path, _first_attr(a.path, ("release", "add_noise", "noised", "step")))),
         ("probe.pool", lambda a: (a.kind.probe, _first_attr(a.kind.probe, ("rows", "canary_rows", "gather", "pool_rows")))),
-        ("pipeline.check", lambda a: (a.pipeline, "check")),
-        ("results.result", lambda a: (a.results, "result")),
-        ("per_sample_check.around_step", lambda a: (a.per_sample_check, "around_step")),
     ]
     cases = []
-    for label, where in targets:
+    for label, where in core:
         for at_step in (0, 1):
             for error in ("RuntimeError", "MemoryError", "KeyboardInterrupt"):
                 if error == "KeyboardInterrupt" and at_step == 0:
                     continue
-                expect = HANDLED
-                cases.append(Case(f"fault/{label}/step{at_step + 1}/{error}", "faults", expect,
+                cases.append(Case(f"fault/{label}/step{at_step + 1}/{error}", "faults", HANDLED,
                                   _fault_case(where, at_step, error)))
+    for check_class, hooks in CHECK_HOOKS:
+        for hook in hooks:
+            for at_step in ((0,) if hook in ONCE + AT_RESULT else (0, 1)):
+                for error in ("RuntimeError", "MemoryError", "KeyboardInterrupt"):
+                    if error == "KeyboardInterrupt" and at_step == 0:
+                        continue
+                    cases.append(Case(f"fault/check {check_class}.{hook}/step{at_step + 1}/{error}", "faults", HANDLED,
+                                      _check_fault_case(check_class, hook, at_step, error)))
     cases.append(Case("fault/on_violation raises", "faults", HANDLED, _on_violation_raises()))
     cases.append(Case("fault/accountant get_epsilon raises", "faults", HANDLED, _accountant_raises()))
     return cases
+
+
+# every default check of a single-process run with its model and loader given, and the hooks it implements
+CHECK_HOOKS = [
+    ("SamplingCheck", ("attach", "loader", "batch", "step", "status")),
+    ("MultiplicityCheck", ("loader", "batch", "step", "status")),
+    ("PerSampleCheck", ("attach", "accumulate", "around_step", "status")),
+    ("CouplingCheck", ("attach", "batch", "step", "status")),
+    ("OutsideDPCheck", ("attach", "batch", "step", "status")),
+    ("AccountantCheck", ("attach", "step")),  # a mechanism check: no status line of its own
+]
+ONCE = ("attach", "loader")  # called once, before the first step
+AT_RESULT = ("status",)  # called when the result is read, after training (its fault dated by the last step)
 
 
 def _first_attr(obj, names):
@@ -136,3 +153,82 @@ def _accountant_raises():
         return ("handled" if ok else "silent-wrong",
                 f"epsilon_accountant={result.epsilon_accountant:.4g} (the history's own: {true:.4g})")
     return run
+
+
+def _check_fault_case(class_name, hook, at_step, error_name):
+    """One check's hook raises from step `at_step` on: that check alone is stopped and says so, every other check
+    goes on, training is not disturbed (the model equals plain Opacus's) and nothing alarms."""
+    def run():
+        quiet()
+        from lightning_dpaudit import PrivacyAuditor
+        from lightning_dpaudit.engine.checks import run as run_checks  # noqa: F401  (the checks' classes load)
+        from lightning_dpaudit.engine.checks.base import Check
+
+        classes = {c.__name__: c for c in _subclasses(Check)}
+        if class_name not in classes or hook not in vars(classes[class_name]):
+            return "raw", f"the probe's target {class_name}.{hook} does not exist (the probe is out of date)"
+        cls = classes[class_name]
+        reference = plain_params({}, STEPS)
+        model, optimizer, loader, _ = private()
+        original = vars(cls)[hook]
+        calls = {"n": 0}
+        error_type = {"RuntimeError": RuntimeError, "MemoryError": MemoryError, "KeyboardInterrupt": KeyboardInterrupt}[error_name]
+        holder = {}
+
+        def broken(self, *args, **kwargs):
+            auditor = holder.get("auditor")
+            if hook in ONCE or hook in AT_RESULT or (auditor is not None and auditor.pipeline.steps >= at_step):
+                calls["n"] += 1
+                raise error_type(f"injected fault in {hook}")
+            return original(self, *args, **kwargs)
+
+        setattr(cls, hook, broken)  # before the auditor is made: the runner binds each hook's methods once
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                auditor = holder["auditor"] = PrivacyAuditor(optimizer, seed=1, module=model, data_loader=loader)
+                run_steps(model, optimizer, loader, STEPS)
+                result = auditor.result()
+        except KeyboardInterrupt:
+            if error_name == "KeyboardInterrupt":
+                return "handled", "KeyboardInterrupt passed on to the training loop"
+            raise
+        except Exception as error:  # noqa: BLE001
+            return "raw", f"training or result() stopped by a check's fault: {describe(error)}"
+        finally:
+            setattr(cls, hook, original)
+        if calls["n"] == 0:
+            return "raw", f"{class_name}.{hook} was not called (the probe is out of date)"
+        if error_name == "KeyboardInterrupt":
+            return "silent-wrong", "KeyboardInterrupt swallowed"
+        return _judge_stopped(auditor, result, cls, model, reference)
+    return run
+
+
+def _judge_stopped(auditor, result, cls, model, reference):
+    from .common import TOL, model_difference
+
+    check = next(c for c in auditor.checks.checks if type(c) is cls)
+    diff = model_difference(model, reference)
+    if diff > TOL:
+        return "silent-wrong", f"model differs from plain Opacus's by {diff:.3g}"
+    stopped = dict(result.checks_stopped)
+    if set(stopped) != {check.name}:
+        return "silent-wrong", f"checks stopped {sorted(stopped)}, expected [{check.name!r}] alone"
+    if not stopped[check.name].startswith("stopped at step"):
+        return "silent-wrong", f"the stopped check's status reads {stopped[check.name][:60]!r}"
+    if result.audit_failed is not None:
+        return "silent-wrong", f"one check's fault failed the whole audit: {result.audit_failed[:60]}"
+    if result.violation:
+        return "silent-wrong", f"a violation after a check's fault: {str(result).splitlines()[0][:80]}"
+    if check.name not in str(result) or "stopped" not in str(result):
+        return "silent-wrong", "the summary does not name the stopped check"
+    if result.steps != STEPS or result.n_in + result.n_out == 0:
+        return "silent-wrong", f"the canaries stopped too: {result.steps} steps, {result.n_in + result.n_out} obs"
+    return "handled", f"{check.name!r} {stopped[check.name][:50]}; the others ran; model == plain"
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
