@@ -67,8 +67,7 @@ class PerSampleCheck(Check):
 
     def __init__(self, *, every: Optional[int] = None, examples: Optional[int] = None, budget: Optional[float] = None):
         """`every`, `examples`, `budget`: as PrivacyAuditor's per_sample_check_* options (None: the auditor's)."""
-        self.further: list = []  # further replays at a checked step: .replay(step) -> whether they found the
-        # examples coupled; .decline(reason) where nothing could be replayed at that step
+        self.further: list = []  # replays at a checked step: .replay(step) -> found coupled?; .decline(why): none ran
         self.options = {"every": every, "examples": examples, "budget": budget}
         self.every = every if every is not None else DEFAULT_EVERY
         self.examples = examples if examples is not None else DEFAULT_EXAMPLES
