@@ -59,6 +59,7 @@ def _first_attr(obj, names):
 
 
 def _fault_case(where, at_step, error_name):
+    """A part of the audit's own step raises from step `at_step` on: the audit fails, says so, and training is plain."""
     def run():
         quiet()
         from lightning_dpaudit import PrivacyAuditor
@@ -68,38 +69,50 @@ def _fault_case(where, at_step, error_name):
         auditor = PrivacyAuditor(optimizer, seed=1)
         target, name = where(auditor)
         if not callable(getattr(target, name, None)):
-            return "handled", f"no {type(target).__name__}.{name} to break (nothing to probe)"
-        original = getattr(target, name)
-        calls = {"n": 0}
-        error_type = {"RuntimeError": RuntimeError, "MemoryError": MemoryError, "KeyboardInterrupt": KeyboardInterrupt}[error_name]
-
-        def broken(*args, **kwargs):
-            if auditor.pipeline.steps >= at_step:
-                calls["n"] += 1
-                raise error_type(f"injected fault in {name}")
-            return original(*args, **kwargs)
-
-        setattr(target, name, broken)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                run_steps(model, optimizer, loader, STEPS)
-        except KeyboardInterrupt:
-            if error_name == "KeyboardInterrupt":
-                return "handled", "KeyboardInterrupt passed on to the training loop"
-            raise
-        except Exception as error:  # noqa: BLE001
-            return "raw", f"training stopped by the audit's fault: {describe(error)}"
-        if calls["n"] == 0:
-            return "handled", f"{name} not called in a step (fault not reached)"
-        if error_name == "KeyboardInterrupt":
-            return "silent-wrong", "KeyboardInterrupt swallowed"
+            return "raw", f"no {type(target).__name__}.{name} to break (the probe is out of date)"
+        original, calls = getattr(target, name), {"n": 0}
+        setattr(target, name, _faulty(original, lambda: auditor.pipeline.steps >= at_step, error_name, name, calls))
+        judged = _train_through_fault(lambda: run_steps(model, optimizer, loader, STEPS), error_name, calls, name)
         setattr(target, name, original)
+        if judged is not None:
+            return judged
         try:
             return judge_run(auditor, model, reference, STEPS, [name], failure_expected=True)
         except Exception as error:  # noqa: BLE001
             return "raw", f"result() after the fault: {describe(error)}"
     return run
+
+
+ERRORS = {"RuntimeError": RuntimeError, "MemoryError": MemoryError, "KeyboardInterrupt": KeyboardInterrupt}
+
+
+def _faulty(original, fires, error_name, name, calls):
+    """`original` made to raise `error_name` whenever fires() holds (counted in calls["n"])."""
+    def broken(*args, **kwargs):
+        if fires():
+            calls["n"] += 1
+            raise ERRORS[error_name](f"injected fault in {name}")
+        return original(*args, **kwargs)
+    return broken
+
+
+def _train_through_fault(train, error_name, calls, name):
+    """train() with the fault in place: (class, detail) when that already judges the case, else None."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            train()
+    except KeyboardInterrupt:
+        if error_name == "KeyboardInterrupt":
+            return "handled", "KeyboardInterrupt passed on to the training loop"
+        raise
+    except Exception as error:  # noqa: BLE001
+        return "raw", f"training or result() stopped by the audit's fault: {describe(error)}"
+    if calls["n"] == 0:
+        return "raw", f"{name} was not called (the fault was not reached: the probe is out of date)"
+    if error_name == "KeyboardInterrupt":
+        return "silent-wrong", "KeyboardInterrupt swallowed"
+    return None
 
 
 def _on_violation_raises():
@@ -170,37 +183,24 @@ def _check_fault_case(class_name, hook, at_step, error_name):
         cls = classes[class_name]
         reference = plain_params({}, STEPS)
         model, optimizer, loader, _ = private()
-        original = vars(cls)[hook]
-        calls = {"n": 0}
-        error_type = {"RuntimeError": RuntimeError, "MemoryError": MemoryError, "KeyboardInterrupt": KeyboardInterrupt}[error_name]
-        holder = {}
+        original, calls, made = vars(cls)[hook], {"n": 0}, {}
 
-        def broken(self, *args, **kwargs):
-            auditor = holder.get("auditor")
-            if hook in ONCE or hook in AT_RESULT or (auditor is not None and auditor.pipeline.steps >= at_step):
-                calls["n"] += 1
-                raise error_type(f"injected fault in {hook}")
-            return original(self, *args, **kwargs)
+        def fires():
+            return hook in ONCE + AT_RESULT or ("auditor" in made and made["auditor"].pipeline.steps >= at_step)
 
-        setattr(cls, hook, broken)  # before the auditor is made: the runner binds each hook's methods once
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                auditor = holder["auditor"] = PrivacyAuditor(optimizer, seed=1, module=model, data_loader=loader)
-                run_steps(model, optimizer, loader, STEPS)
-                result = auditor.result()
-        except KeyboardInterrupt:
-            if error_name == "KeyboardInterrupt":
-                return "handled", "KeyboardInterrupt passed on to the training loop"
-            raise
-        except Exception as error:  # noqa: BLE001
-            return "raw", f"training or result() stopped by a check's fault: {describe(error)}"
+        def train():
+            made["auditor"] = PrivacyAuditor(optimizer, seed=1, module=model, data_loader=loader)
+            run_steps(model, optimizer, loader, STEPS)
+            made["result"] = made["auditor"].result()
+
+        setattr(cls, hook, _faulty(original, fires, error_name, f"{class_name}.{hook}", calls))  # before the auditor
+        try:  # is made: the runner binds each hook's methods once
+            judged = _train_through_fault(train, error_name, calls, f"{class_name}.{hook}")
         finally:
             setattr(cls, hook, original)
-        if calls["n"] == 0:
-            return "raw", f"{class_name}.{hook} was not called (the probe is out of date)"
-        if error_name == "KeyboardInterrupt":
-            return "silent-wrong", "KeyboardInterrupt swallowed"
+        if judged is not None:
+            return judged
+        auditor, result = made["auditor"], made["result"]
         return _judge_stopped(auditor, result, cls, model, reference)
     return run
 
