@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import warnings
 
-from .common import Case, HANDLED, STEPS, describe, judge_run, plain_params, private, quiet, run_steps
+from .common import (Case, HANDLED, STEPS, TOL, describe, judge_run, model_difference, plain_params, private, quiet,
+                     run_steps)
 
 
 def fault_cases():
@@ -174,7 +175,6 @@ def _check_fault_case(class_name, hook, at_step, error_name):
     def run():
         quiet()
         from lightning_dpaudit import PrivacyAuditor
-        from lightning_dpaudit.engine.checks import run as run_checks  # noqa: F401  (the checks' classes load)
         from lightning_dpaudit.engine.checks.base import Check
 
         classes = {c.__name__: c for c in _subclasses(Check)}
@@ -206,8 +206,6 @@ def _check_fault_case(class_name, hook, at_step, error_name):
 
 
 def _judge_stopped(auditor, result, cls, model, reference):
-    from .common import TOL, model_difference
-
     check = next(c for c in auditor.checks.checks if type(c) is cls)
     diff = model_difference(model, reference)
     if diff > TOL:
