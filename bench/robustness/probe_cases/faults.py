@@ -174,12 +174,12 @@ def _check_fault_case(class_name, hook, at_step, error_name):
     goes on, training is not disturbed (the model equals plain Opacus's) and nothing alarms."""
     def run():
         quiet()
-        from lightning_dpaudit import PrivacyAuditor
-        from lightning_dpaudit.engine.checks.base import Check
+        from lightning_dpaudit import PrivacyAuditor, default_checks
 
-        classes = {c.__name__: c for c in _subclasses(Check)}
+        classes = {type(c).__name__: type(c) for c in default_checks()}
         if class_name not in classes or hook not in vars(classes[class_name]):
-            return "raw", f"the probe's target {class_name}.{hook} does not exist (the probe is out of date)"
+            return "raw", (f"the probe's target {class_name}.{hook} is not a default check's hook (the probe is out "
+                           "of date)")
         cls = classes[class_name]
         reference = plain_params({}, STEPS)
         model, optimizer, loader, _ = private()
@@ -224,9 +224,3 @@ def _judge_stopped(auditor, result, cls, model, reference):
     if result.steps != STEPS or result.n_in + result.n_out == 0:
         return "silent-wrong", f"the canaries stopped too: {result.steps} steps, {result.n_in + result.n_out} obs"
     return "handled", f"{check.name!r} {stopped[check.name][:50]}; the others ran; model == plain"
-
-
-def _subclasses(cls):
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _subclasses(sub)
